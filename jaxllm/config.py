@@ -1,0 +1,100 @@
+"""Engine configuration: one frozen dataclass per concern, field names as vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a local directory (HF layout), a .gguf file, or a dummy preset name
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    max_model_len: int | None = None  # None: from the model's config
+    seed: int = 0
+    load_format: str = "auto"  # auto | dummy
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    # On CPU there is no device memory to measure: the KV pool gets this many bytes.
+    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or "
+                f"equal to max_num_seqs ({self.max_num_seqs}).")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError(
+                "tensor_parallel_size and data_parallel_size must be at least 1, got "
+                f"{self.tensor_parallel_size} and {self.data_parallel_size}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    attention_backend: str = "auto"  # auto: pallas on GPU, xla elsewhere | pallas | xla
+    compilation_cache_dir: str | None = "~/.cache/jaxllm/jit"  # None disables the persistent cache
+    enforce_eager: bool = False  # skip warm-up (tests that do not care about compile time)
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "pallas", "xla"):
+            raise ValueError(
+                f"attention_backend must be auto, pallas or xla, got {self.attention_backend!r}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    runner_config: RunnerConfig

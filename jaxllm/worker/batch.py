@@ -1,0 +1,70 @@
+"""The ragged batch of one step: every scheduled token of every sequence, flattened and padded.
+
+Shapes are fixed by two bucket sizes, so jit compiles a bounded set of programs:
+  T = padded number of tokens, S = padded number of sequences, B = max blocks per sequence.
+Padding tokens write their K/V into block 0, which the block pool never hands out; padding
+sequences have q_len 0 and kv_len 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+PAD_SLOT = 0  # block 0, offset 0: reserved for padding writes
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32: block_id * block_size + offset
+    block_tables: jax.Array  # [S, B] int32
+    cu_q_lens: jax.Array  # [S + 1] int32: query start of each sequence in the flat batch
+    kv_lens: jax.Array  # [S] int32: KV length after this step's tokens are written
+    num_seqs: jax.Array  # [1] int32: live sequences (the rest are padding)
+    logits_indices: jax.Array  # [S] int32: flat index of each sequence's last scheduled token
+
+
+@dataclass
+class SeqChunk:
+    """What one sequence contributes to a step."""
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # position of token_ids[0] (= num_computed_tokens)
+    block_ids: list[int]  # the sequence's whole block table
+
+
+def build_step_batch(chunks: list[SeqChunk], num_tokens_padded: int, num_seqs_padded: int,
+                     max_blocks_per_seq: int, block_size: int) -> StepBatch:
+    """Flattens chunks into numpy arrays of the bucket's shape (host side, no device work)."""
+    num_seqs = len(chunks)
+    q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+    num_tokens = int(q_lens.sum())
+    if num_tokens > num_tokens_padded or num_seqs > num_seqs_padded:
+        raise ValueError(f"{num_tokens} tokens / {num_seqs} seqs exceed the bucket "
+                         f"({num_tokens_padded}, {num_seqs_padded}).")
+    token_ids = np.zeros(num_tokens_padded, np.int32)
+    positions = np.zeros(num_tokens_padded, np.int32)
+    slot_mapping = np.full(num_tokens_padded, PAD_SLOT, np.int32)
+    block_tables = np.zeros((num_seqs_padded, max_blocks_per_seq), np.int32)
+    cu_q_lens = np.full(num_seqs_padded + 1, num_tokens, np.int32)
+    cu_q_lens[0] = 0
+    np.cumsum(q_lens, out=cu_q_lens[1:num_seqs + 1])
+    kv_lens = np.zeros(num_seqs_padded, np.int32)
+    logits_indices = np.zeros(num_seqs_padded, np.int32)
+    for i, chunk in enumerate(chunks):
+        start, end = cu_q_lens[i], cu_q_lens[i + 1]
+        pos = np.arange(chunk.start_pos, chunk.start_pos + q_lens[i], dtype=np.int32)
+        blocks = np.asarray(chunk.block_ids, np.int32)
+        token_ids[start:end] = chunk.token_ids
+        positions[start:end] = pos
+        slot_mapping[start:end] = blocks[pos // block_size] * block_size + pos % block_size
+        block_tables[i, :len(blocks)] = blocks
+        kv_lens[i] = chunk.start_pos + q_lens[i]
+        logits_indices[i] = end - 1
+    return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+                     block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+                     num_seqs=np.array([num_seqs], np.int32), logits_indices=logits_indices)
