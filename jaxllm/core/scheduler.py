@@ -1,0 +1,254 @@
+"""The scheduler, vLLM V1 style: one token budget per step, granted running requests first.
+
+Every request has `num_computed_tokens`; a step grants each request min(its uncomputed tokens,
+the budget left) tokens, so a prefill that does not fit is simply chunked and decode is a grant
+of one. Running requests are served in order, then waiting ones first-come first-served. When
+the pool runs out of blocks for a running request, the newest running request is preempted by
+recompute: its blocks are freed and it goes back to the front of the waiting queue with
+num_computed_tokens = 0 (its prompt is now all its tokens so far).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from jaxllm.config import CacheConfig, SchedulerConfig
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """What one request contributes to a step."""
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    num_computed_tokens: int  # position of token_ids[0]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    block_ids: list[int]  # the whole block table (a snapshot)
+    sampling_params: SamplingParams
+    samples: bool  # this grant reaches the last known token, so the step yields a new one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # batch order: running requests, then newly admitted
+    num_scheduled_tokens: int
+    finished_request_ids: set[str]  # finished or aborted since the previous schedule()
+    preempted_request_ids: set[str]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks in use
+    num_preemptions_total: int
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_gpu_blocks: int) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache_config.block_size)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest admission first; preemption takes the last
+        self.finished_req_ids: set[str] = set()  # since the previous schedule()
+        self.num_preemptions_total = 0
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("The prompt cannot be empty.")
+        if num_prompt > self.max_model_len:
+            raise ValueError(f"The prompt (length {num_prompt}) is longer than the maximum model "
+                             f"length of {self.max_model_len}.")
+        # Else a request that cannot fit even alone would preempt itself forever.
+        max_tokens = request.sampling_params.max_tokens or self.max_model_len
+        max_kv_len = max(num_prompt, min(self.max_model_len, num_prompt + max_tokens) - 1)
+        num_blocks = -(-max_kv_len // self.block_size)
+        if num_blocks > self.num_gpu_blocks - 1:
+            raise ValueError(
+                f"Request {request.request_id!r} needs {num_blocks} KV cache blocks at its maximum "
+                f"length of {max_kv_len} tokens, more than the {self.num_gpu_blocks - 1} usable "
+                "blocks of the pool. Lower max_tokens or max_model_len, or give the KV cache more "
+                "memory.")
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
+        """Finishes requests from outside (abort, stop string); unknown or finished ids are
+        ignored. Their blocks are freed at once."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a finished status, got {finished_status!r}.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted_ids: set[str] = set()
+        running = self.running
+
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            if num_new_tokens <= 0:  # nothing to compute until its sampled token arrives
+                req_index += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
+                break
+            scheduled.append(self._grant(request, num_new_tokens))
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # As vLLM: no admissions in a step that had to preempt (the pool is full).
+        while (not preempted_ids and self.waiting and token_budget > 0
+               and len(running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+            scheduled.append(self._grant(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+        finished_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - token_budget,
+                               finished_ids, preempted_ids)
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        num_computed = request.num_computed_tokens
+        return min(request.num_tokens - num_computed, token_budget,
+                   self.max_model_len - num_computed)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             preempted_ids: set[str]) -> bool:
+        """Allocates blocks for the grant, preempting the newest running requests until it fits;
+        False when the request itself had to be preempted."""
+        while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted_ids.add(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _grant(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        """Describes the grant and advances num_computed_tokens past it (as vLLM)."""
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request.request_id, request.all_token_ids[start:end], start,
+            request.num_prompt_tokens, request.num_output_tokens,
+            self.kv_cache_manager.get_block_ids(request.request_id).copy(),
+            request.sampling_params, end == request.num_tokens)
+
+    # ---- results ----
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Appends each sampling request's new token and finishes those that hit a stop; returns
+        the requests that got a token, finished ones included."""
+        updated: list[Request] = []
+        any_finished = False
+        for sched in scheduler_output.scheduled:
+            if not sched.samples:
+                continue
+            request = self.requests.get(sched.request_id)
+            if request is None:  # finished or aborted since it was scheduled
+                continue
+            request.append_output_token_id(sampled_token_ids[sched.request_id])
+            if self._check_stop(request):
+                self._free_request(request)
+                any_finished = True
+            updated.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return updated
+
+    def _check_stop(self, request: Request) -> bool:
+        """Sets a finished status when the request's last token ends it (vLLM's check_stop)."""
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if (request.num_tokens >= self.max_model_len
+                or (params.max_tokens is not None and num_output >= params.max_tokens)):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if num_output < params.min_tokens:
+            return False
+        last_token_id = request.output_token_ids[-1]
+        if last_token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+            return True
+        if not params.ignore_eos and last_token_id in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    # ---- state ----
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting),
+                              self.kv_cache_manager.usage, self.num_preemptions_total)
