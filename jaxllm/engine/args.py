@@ -1,0 +1,79 @@
+"""EngineArgs: the flat, vLLM-named knobs of LLM(...), `jaxllm serve` and `jaxllm bench`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from jaxllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig,
+                           SchedulerConfig)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the built-in default model (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs)
+    block_size: int = 16
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+    compilation_cache_dir: str | None = "~/.cache/jaxllm/jit"
+    enforce_eager: bool = False
+    served_model_name: str | None = None
+
+    def create_engine_config(self, model_max_len: int) -> EngineConfig:
+        """model_max_len: the model's own limit (max_position_embeddings), known after loading."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+                f"max_model_len (max_position_embeddings={model_max_len} in the model's config).")
+        max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=self.model or "", dtype=self.dtype, max_model_len=max_model_len,
+                seed=self.seed, load_format=self.load_format, tokenizer=self.tokenizer,
+                served_model_name=self.served_model_name),
+            cache_config=CacheConfig(
+                block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cpu_kv_cache_bytes=self.cpu_kv_cache_bytes),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel),
+            runner_config=RunnerConfig(
+                attention_backend=self.attention_backend,
+                compilation_cache_dir=self.compilation_cache_dir,
+                enforce_eager=self.enforce_eager))
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """--max-model-len style flags for every field but `model` (a positional in the CLI)."""
+        for f in fields(EngineArgs):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                parser.add_argument(flag, action="store_true")
+            else:
+                kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+                parser.add_argument(flag, type=kind, default=f.default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

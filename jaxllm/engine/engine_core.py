@@ -1,0 +1,154 @@
+"""EngineCore: one engine iteration is schedule -> jitted step -> scheduler update -> outputs."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from functools import partial
+
+import jax
+import numpy as np
+
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.output_processor import OutputProcessor, child_request_id
+from jaxllm.loader import load_model
+from jaxllm.models import forward
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker import kv_cache
+from jaxllm.worker.model_runner import ModelRunner
+from pallas_kernels import kv_write, ragged_paged_attention
+
+logger = logging.getLogger("jaxllm")
+
+
+def _attention_backend(name: str):
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if name == "pallas":
+        return ragged_paged_attention.ragged_paged_attention, kv_write.write_kv
+    return ragged_paged_attention.ragged_paged_attention_reference, kv_write.write_kv_reference
+
+
+def _enable_compilation_cache(path: str | None) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class EngineCore:
+    def __init__(self, engine_args: EngineArgs, log=logger.info) -> None:
+        _enable_compilation_cache(engine_args.compilation_cache_dir)
+        loaded = load_model(engine_args.model, engine_args.dtype, engine_args.load_format,
+                            engine_args.seed)
+        self.config = config = engine_args.create_engine_config(loaded.max_model_len)
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.vocab_size = loaded.args.vocab_size
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.model_name = (engine_args.served_model_name or engine_args.model
+                           or "SmolLM2-135M-Instruct")
+        self._seed_rng = np.random.default_rng(engine_args.seed)
+
+        attn, write_kv = _attention_backend(config.runner_config.attention_backend)
+        model_fn = partial(forward, args=loaded.args, attn=attn, write_kv=write_kv)
+        cache_config, sched = config.cache_config, config.scheduler_config
+        args = loaded.args
+        layout = (args.num_layers, cache_config.block_size, args.num_kv_heads, args.head_dim)
+        dtype = jax.tree.leaves(loaded.params)[0].dtype
+        block_bytes = kv_cache.bytes_per_block(*layout, dtype)
+
+        def make_runner(num_blocks: int) -> ModelRunner:
+            caches = kv_cache.allocate_kv_caches(args.num_layers, num_blocks,
+                                                 cache_config.block_size, args.num_kv_heads,
+                                                 args.head_dim, dtype)
+            return ModelRunner(model_fn, loaded.params, caches, vocab_size=args.vocab_size,
+                               block_size=cache_config.block_size,
+                               max_model_len=self.max_model_len,
+                               max_num_seqs=sched.max_num_seqs,
+                               max_num_batched_tokens=sched.max_num_batched_tokens)
+
+        self.num_blocks = cache_config.num_gpu_blocks_override
+        if self.num_blocks is None:
+            self.num_blocks = self._measure_num_blocks(make_runner, block_bytes)
+        kv_cache.check_fits(self.num_blocks, cache_config.block_size, self.max_model_len,
+                            block_bytes)
+        log(f"KV cache: {self.num_blocks} blocks of {cache_config.block_size} tokens "
+            f"({self.num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)")
+        self.runner = make_runner(self.num_blocks)
+        self.scheduler = Scheduler(sched, cache_config, self.num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        if not config.runner_config.enforce_eager:
+            self.runner.warmup(progress=log)
+
+    def _measure_num_blocks(self, make_runner, block_bytes: int) -> int:
+        cache_config = self.config.cache_config
+        probe = make_runner(2)
+        available = kv_cache.device_memory_available(cache_config.gpu_memory_utilization,
+                                                     probe.activation_bytes())
+        del probe
+        if available is None:  # CPU: a fixed budget
+            available = cache_config.cpu_kv_cache_bytes
+        return max(int(available // block_bytes), 0)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, prompt: str | None = None) -> None:
+        self._validate(request_id, prompt_token_ids)
+        n = sampling_params.n
+        children = []
+        for index in range(n):
+            params = copy.copy(sampling_params)
+            params.n = 1
+            params.all_stop_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
+            # Every request gets a concrete seed: its samples then depend only on (seed, step).
+            params.seed = (int(self._seed_rng.integers(0, 2**31 - 1)) if params.seed is None
+                           else (params.seed + index) & 0x7FFFFFFF)
+            children.append(Request(child_request_id(request_id, index, n), prompt_token_ids,
+                                    params))
+        self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("The decoder prompt cannot be empty.")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                f"model length of {self.max_model_len}. Make sure that `max_model_len` is no "
+                f"smaller than the number of text tokens.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab_size="
+                             f"{self.vocab_size}).")
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in request_ids:
+            child_ids = self.output_processor.child_ids(request_id)
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one iteration --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        result = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
+        outputs, stopped = self.output_processor.process(updated, result.logprobs)
+        if stopped:
+            self.scheduler.finish_requests([r.request_id for r in stopped],
+                                           RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def get_stats(self) -> dict:
+        return self.scheduler.make_stats()

@@ -1,0 +1,103 @@
+"""The offline API, shaped as vLLM's: LLM(...).generate(prompts, sampling_params) and .chat()."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.engine_core import EngineCore
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """LLM(model=None) serves the built-in default model (SmolLM2-135M-Instruct).
+
+    Keyword arguments are EngineArgs' fields (vLLM's names): dtype, max_model_len,
+    gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, block_size, seed, ...
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = EngineCore(self.engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and sampling_params "
+                             f"({len(sampling_params)}) must be the same.")
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                text, token_ids = self._tokenize(prompt)
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, token_ids, params, prompt=text)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)  # nothing may leak
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids":
+                            tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
+        return None, list(prompt)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,116 @@
+"""Turns scheduler updates into RequestOutputs: detokenises, finds stop strings, groups n > 1.
+
+A request with n > 1 runs as n child requests ("{parent}#{i}") that share nothing but their
+prompt; their parent collects one CompletionOutput per child.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxllm.core.request import Request
+from jaxllm.detok.detokenizer import IncrementalDetokenizer
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class ChildState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list | None  # SampleLogprobs when asked
+    cumulative_logprob: float | None
+    completion: CompletionOutput | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, ChildState] = field(default_factory=dict)
+    num_unfinished: int = 0
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{parent_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.parent_of: dict[str, str] = {}  # child id -> parent id
+
+    def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    children: list[Request]) -> None:
+        parent = ParentState(parent_id, prompt, prompt_token_ids, num_unfinished=len(children))
+        for index, child in enumerate(children):
+            params = child.sampling_params
+            parent.children[child.request_id] = ChildState(
+                index=index,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self.parent_of[child.request_id] = parent_id
+        self.parents[parent_id] = parent
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return list(parent.children) if parent else []
+
+    def process(self, updated: list[Request], logprobs: dict) -> tuple[list[RequestOutput],
+                                                                      list[Request]]:
+        """Returns the outputs, and the requests a stop string finished (the engine frees them)."""
+        stopped_by_string, touched = [], {}
+        for request in updated:
+            parent_id = self.parent_of.get(request.request_id)
+            if parent_id is None:
+                continue
+            parent = self.parents[parent_id]
+            child = parent.children[request.request_id]
+            new_token = request.output_token_ids[-1]
+            stop_str = child.detokenizer.update([new_token])
+            if stop_str is not None and not request.is_finished():
+                request.stop_reason = stop_str
+                stopped_by_string.append(request)
+            if request.request_id in logprobs:
+                self._append_logprobs(child, new_token, logprobs[request.request_id])
+            finish_reason = "stop" if stop_str is not None else request.get_finished_reason()
+            child.completion = CompletionOutput(
+                index=child.index, text=child.detokenizer.output_text,
+                token_ids=list(request.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=child.logprobs, finish_reason=finish_reason,
+                stop_reason=request.stop_reason)
+            if finish_reason is not None:
+                parent.num_unfinished -= 1
+            touched[parent_id] = parent
+        outputs = [self._make_output(parent) for parent in touched.values()]
+        return outputs, stopped_by_string
+
+    def _append_logprobs(self, child: ChildState, token: int, entry) -> None:
+        sampled_logprob, sampled_rank, top_ids, top_logprobs = entry
+        step = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+                for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs))}
+        step[token] = Logprob(sampled_logprob, sampled_rank, self.tokenizer.decode([token]))
+        child.logprobs.append(step)
+        child.cumulative_logprob += sampled_logprob
+
+    def _make_output(self, parent: ParentState) -> RequestOutput:
+        finished = parent.num_unfinished == 0
+        completions = [c.completion if c.completion is not None
+                       else CompletionOutput(index=c.index, text="", token_ids=[])
+                       for c in sorted(parent.children.values(), key=lambda c: c.index)]
+        if finished:
+            self._forget(parent.request_id)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             completions, finished)
+
+    def abort(self, parent_id: str) -> None:
+        self._forget(parent_id)
+
+    def _forget(self, parent_id: str) -> None:
+        parent = self.parents.pop(parent_id, None)
+        if parent is not None:
+            for child_id in parent.children:
+                self.parent_of.pop(child_id, None)

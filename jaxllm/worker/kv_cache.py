@@ -1,0 +1,53 @@
+"""KV cache sizing and allocation: how many blocks fit, and the per-layer page arrays."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype) -> int:
+    """K and V of one block across all layers."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
+    """One (k_cache, v_cache) pair per layer, zeros (jnp.empty is uninitialised since jax 0.11)."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)  # [N, P, Hkv, D]
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(make(), make()) for _ in range(num_layers)]
+
+
+def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes: int) -> int | None:
+    """Bytes the KV cache may take on the first device, or None where memory is not measurable."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    budget = int(stats["bytes_limit"] * gpu_memory_utilization)
+    return budget - stats["bytes_in_use"] - activation_peak_bytes
+
+
+def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
+    """Raises vLLM's start-up error when one sequence of max_model_len tokens cannot fit."""
+    usable_blocks = num_blocks - 1  # block 0 is reserved for padding
+    needed_blocks = -(-max_model_len // block_size)
+    if usable_blocks >= needed_blocks:
+        return
+    needed = needed_blocks * block_bytes / GiB
+    available = max(usable_blocks, 0) * block_bytes / GiB
+    estimated_max_len = max(usable_blocks, 0) * block_size
+    raise ValueError(
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"{needed:.3f} GiB KV cache is needed, which is larger than the available KV cache "
+        f"memory ({available:.3f} GiB). Based on the available memory, the estimated maximum "
+        f"model length is {estimated_max_len}. Try increasing `gpu_memory_utilization` "
+        f"(or `num_gpu_blocks_override`, or the CPU KV budget) or decreasing `max_model_len` "
+        f"when initializing the engine.")

@@ -1,0 +1,161 @@
+"""The model runner: one jitted step per engine iteration over a fixed-bucket ragged batch.
+
+Host side it turns a SchedulerOutput into a StepBatch plus sampling arrays (numpy only: an eager
+jnp op here would compile for every new shape), launches the step with the KV cache and the
+penalty state donated, and fetches the sampled tokens in one device-to-host transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.sample import sampler
+from jaxllm.worker.batch import SeqChunk, StepBatch, build_step_batch
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int]:
+    """Powers of two up to the token budget, which closes the list."""
+    buckets, size = [], min(min_bucket, max_num_batched_tokens)
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_num_batched_tokens]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    # request id -> (sampled token logprob, its rank, top ids, top logprobs); only when asked
+    logprobs: dict[str, tuple[float, int, list[int], list[float]]]
+
+
+class ModelRunner:
+    def __init__(self, model_fn: Callable, params, kv_caches, *, vocab_size: int, block_size: int,
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.params = params
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.penalty_state = sampler.init_penalty_state(max_num_seqs, vocab_size)
+        self.garbage_row = max_num_seqs  # padding sequences and tokens use the last row
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._rows: dict[str, int] = {}
+
+        def step(params, kv_caches, penalty_state, batch, sampling_md, token_rows,
+                 token_is_output, reset_rows, seq_rows):
+            logits, kv_caches = model_fn(params, kv_caches, batch)
+            penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, token_rows,
+                                                  token_is_output, reset_rows)
+            out = sampler.sample(logits, sampling_md, penalty_state, seq_rows)
+            return out, kv_caches, penalty_state
+
+        self._step = jax.jit(step, donate_argnums=(1, 2))
+
+    # -- per-request state ------------------------------------------------------------------
+    def _release(self, request_ids) -> None:
+        for request_id in request_ids:
+            row = self._rows.pop(request_id, None)
+            if row is not None:
+                self._free_rows.append(row)
+
+    def _row_for(self, request_id: str) -> int:
+        row = self._rows.get(request_id)
+        if row is None:
+            row = self._rows[request_id] = self._free_rows.pop()
+        return row
+
+    # -- one step -----------------------------------------------------------------------------
+    def bucket_for(self, num_tokens: int) -> tuple[int, int]:
+        num_tokens_padded = next(b for b in self.buckets if b >= num_tokens)
+        return num_tokens_padded, min(num_tokens_padded, self.max_num_seqs)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._release(scheduler_output.finished_request_ids)
+        self._release(scheduler_output.preempted_request_ids)
+        scheduled = scheduler_output.scheduled
+        num_tokens_padded, num_seqs_padded = self.bucket_for(scheduler_output.num_scheduled_tokens)
+        batch = build_step_batch(
+            [SeqChunk(s.token_ids, s.num_computed_tokens, s.block_ids) for s in scheduled],
+            num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq, self.block_size)
+
+        token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
+        token_is_output = np.zeros(num_tokens_padded, bool)
+        reset_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
+        seq_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
+        for i, s in enumerate(scheduled):
+            row = seq_rows[i] = self._row_for(s.request_id)
+            start, end = batch.cu_q_lens[i], batch.cu_q_lens[i + 1]
+            token_rows[start:end] = row
+            token_is_output[start:end] = batch.positions[start:end] >= s.num_prompt_tokens
+            if s.num_computed_tokens == 0:
+                reset_rows[i] = row
+        sampling_md = sampler.build_sampling_metadata(
+            [s.sampling_params if s.samples else None for s in scheduled],
+            output_indices=[s.num_output_tokens for s in scheduled],
+            seeds=[s.sampling_params.seed for s in scheduled],  # the engine sets every seed
+            num_seqs_padded=num_seqs_padded)
+
+        out, self.kv_caches, self.penalty_state = self._step(
+            self.params, self.kv_caches, self.penalty_state, batch, sampling_md, token_rows,
+            token_is_output, reset_rows, seq_rows)
+        return self._collect(scheduled, out)
+
+    def _collect(self, scheduled, out) -> ModelRunnerOutput:
+        want_logprobs = any(s.samples and s.sampling_params.logprobs is not None
+                            for s in scheduled)
+        # The one device-to-host transfer of the step.
+        host = jax.device_get((out.token_ids, out.logprobs) if want_logprobs
+                              else (out.token_ids, None))
+        token_ids, logprobs = host
+        sampled, sample_logprobs = {}, {}
+        for i, s in enumerate(scheduled):
+            if not s.samples:
+                continue
+            sampled[s.request_id] = int(token_ids[i])
+            if want_logprobs and s.sampling_params.logprobs is not None:
+                n = s.sampling_params.logprobs
+                sample_logprobs[s.request_id] = (
+                    float(logprobs.sampled_logprob[i]), int(logprobs.sampled_rank[i]),
+                    logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
+        return ModelRunnerOutput(sampled, sample_logprobs)
+
+    # -- warm-up and profiling ---------------------------------------------------------------
+    def _padding_inputs(self, num_tokens_padded: int) -> tuple:
+        """Step arguments of an all-padding batch: it compiles the bucket and only writes block 0."""
+        num_seqs_padded = min(num_tokens_padded, self.max_num_seqs)
+        batch = build_step_batch([], num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq,
+                                 self.block_size)
+        md = sampler.build_sampling_metadata([], output_indices=[], seeds=[],
+                                             num_seqs_padded=num_seqs_padded)
+        token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
+        seq_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
+        return (batch, md, token_rows, np.zeros(num_tokens_padded, bool), seq_rows, seq_rows)
+
+    def activation_bytes(self) -> int:
+        """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
+        compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state,
+                                    *self._padding_inputs(self.buckets[-1])).compile()
+        analysis = compiled.memory_analysis()
+        return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
+
+    def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
+        """Compiles every bucket, so that nothing compiles while serving."""
+        start = time.perf_counter()
+        for n, num_tokens_padded in enumerate(self.buckets):
+            out, self.kv_caches, self.penalty_state = self._step(
+                self.params, self.kv_caches, self.penalty_state,
+                *self._padding_inputs(num_tokens_padded))
+            jax.block_until_ready(out.token_ids)
+            progress(f"warm-up: compiled bucket {n + 1}/{len(self.buckets)} "
+                     f"({num_tokens_padded} tokens), {time.perf_counter() - start:.1f}s")
