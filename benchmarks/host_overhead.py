@@ -1,0 +1,83 @@
+"""Host overhead of one decode step: schedule(), build_step_batch() and update_from_output().
+
+256 running sequences decode one token each per step (no device work). The target for the
+whole host side is under 1 ms per step.
+
+    python benchmarks/host_overhead.py [--num-seqs 256] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import numpy as np
+
+from jaxllm.config import CacheConfig, SchedulerConfig
+from jaxllm.core.request import Request
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker.batch import SeqChunk, build_step_batch
+
+
+def make_decoding_scheduler(num_seqs: int, max_model_len: int, block_size: int) -> Scheduler:
+    """A scheduler whose num_seqs requests have finished prefill and are decoding."""
+    num_blocks = num_seqs * (max_model_len // block_size) + 1
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192,
+                        max_model_len=max_model_len),
+        CacheConfig(block_size=block_size), num_blocks)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=max_model_len // 2, ignore_eos=True)
+    for i in range(num_seqs):
+        prompt = [rng.randrange(32000) for _ in range(rng.randrange(16, max_model_len // 2))]
+        scheduler.add_request(Request(f"req-{i}", prompt, params))
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        step(scheduler, rng)
+    return scheduler
+
+
+def step(scheduler: Scheduler, rng: random.Random) -> tuple[float, float, float]:
+    """One host step; returns the seconds spent scheduling, building the batch, updating."""
+    t0 = time.perf_counter()
+    output = scheduler.schedule()
+    t1 = time.perf_counter()
+    chunks = [SeqChunk(s.token_ids, s.num_computed_tokens, s.block_ids) for s in output.scheduled]
+    build_step_batch(chunks, bucket(output.num_scheduled_tokens), bucket(len(chunks)),
+                     scheduler.max_model_len // scheduler.block_size, scheduler.block_size)
+    t2 = time.perf_counter()
+    sampled = {s.request_id: rng.randrange(32000) for s in output.scheduled if s.samples}
+    t3 = time.perf_counter()
+    scheduler.update_from_output(output, sampled)
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t4 - t3
+
+
+def bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+
+    scheduler = make_decoding_scheduler(args.num_seqs, args.max_model_len, args.block_size)
+    rng = random.Random(1)
+    times = np.array([step(scheduler, rng) for _ in range(args.steps)]) * 1e6  # [steps, 3] us
+    assert scheduler.num_running == args.num_seqs, "a sequence finished during the benchmark"
+    columns = {"schedule": times[:, 0], "build_step_batch": times[:, 1],
+               "update_from_output": times[:, 2], "total": times.sum(axis=1)}
+    print(f"{args.num_seqs} decoding sequences, {args.steps} steps, microseconds per step:")
+    for name, t in columns.items():
+        print(f"  {name:>18}: mean {t.mean():8.1f}  p50 {np.percentile(t, 50):8.1f}  "
+              f"p99 {np.percentile(t, 99):8.1f}")
+    print(f"target < 1000 us per step: {'met' if columns['total'].mean() < 1000 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
