@@ -1,0 +1,11 @@
+"""On-device sampling: per-request parameters as arrays, penalties, logprobs."""
+
+from jaxllm.sample.logprobs import LogprobsTensors, gather_logprobs
+from jaxllm.sample.metadata import (MAX_MIN_TOKENS_STOP_IDS, SamplingMetadata,
+                                    build_sampling_metadata)
+from jaxllm.sample.penalties import PenaltyState, init_penalty_state, record_tokens
+from jaxllm.sample.sampler import SamplerOutput, sample
+
+__all__ = ["LogprobsTensors", "MAX_MIN_TOKENS_STOP_IDS", "PenaltyState", "SamplerOutput",
+           "SamplingMetadata", "build_sampling_metadata", "gather_logprobs", "init_penalty_state",
+           "record_tokens", "sample"]
