@@ -15,8 +15,12 @@ Rows past cu_q_lens[num_seqs] are padding: their output is unspecified (finite).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 _MASK_INIT = -1e30
 
@@ -66,3 +70,187 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     (_, l, acc), _ = jax.lax.scan(page_step, init, jnp.arange(max_pages, dtype=jnp.int32))
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas (Triton) kernel. One program: one KV head x one block of up to `block_q` query tokens of
+# one sequence x one KV split. Its rows are (token, query head of the group) pairs, the group
+# padded to a power of two, so every K/V tile loaded serves all query heads of the group (GQA).
+# K/V are gathered token by token through the block table, so any page size and tile size mix.
+# ---------------------------------------------------------------------------------------------
+
+_NUM_SMS = 132  # H200; only sizes the split-KV heuristic
+_LOG2E = 1.4426950408889634
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
+                      q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
+                      group_pad, block_q, block_k, page_size, num_splits):
+    o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
+    pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
+    # owns one block that exits at once, and cdiv(T, block_q) + S blocks cover any batch.
+    seq = jnp.sum((seq_starts_ref[...] <= pid).astype(jnp.int32)) - 1
+    q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+    block_start = q_start + (pid - seq_starts_ref[seq]) * block_q
+
+    @pl.when((block_start < q_end) & (seq < num_seqs_ref[0]))
+    def _():
+        kv_len = kv_lens_ref[seq]
+        rows = jnp.arange(block_q * group_pad, dtype=jnp.int32)
+        token = block_start + rows // group_pad  # [R]
+        head = kv_head * group + rows % group_pad  # [R]
+        row_valid = (token < q_end) & (rows % group_pad < group)
+        q_pos = kv_len - (q_end - q_start) + token - q_start  # [R]
+        # Every index an array (broadcast to the loaded shape): Triton gathers, interpret agrees.
+        dims = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
+        row_idx = (token[:, None], head[:, None], dims)
+        q = pltriton.load(q_ref.at[row_idx], mask=row_valid[:, None], other=0)  # [R, D]
+
+        first_pos = kv_len - (q_end - q_start) + block_start - q_start
+        kv_hi = kv_len - (q_end - q_start) + jnp.minimum(block_start + block_q, q_end) - q_start
+        kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+        tile_lo, tile_hi = kv_lo // block_k, pl.cdiv(kv_hi, block_k)
+        per_split = pl.cdiv(tile_hi - tile_lo, num_splits)
+        t0 = tile_lo + split * per_split
+        t1 = jnp.minimum(t0 + per_split, tile_hi)
+        dot_precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
+                         else jax.lax.Precision.DEFAULT)
+
+        def tile_step(t, carry):
+            m, l, acc = carry
+            kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
+            kv_valid = kv_pos < kv_hi
+            page = pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
+                              other=0)
+            slot = page * page_size + kv_pos % page_size  # [Bk] rows of the flat cache
+            kv_idx = (slot[:, None], kv_head, dims)
+            k = pltriton.load(k_ref.at[kv_idx], mask=kv_valid[:, None], other=0)  # [Bk, D]
+            v = pltriton.load(v_ref.at[kv_idx], mask=kv_valid[:, None], other=0)
+            s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * sm_scale  # [R, Bk]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = s * _LOG2E  # base-2 softmax: exp2 is one instruction
+            mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            if sliding_window is not None:
+                mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _MASK_INIT), axis=1))
+            p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+            alpha = jnp.exp2(m - m_new)
+            acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=dot_precision)
+            return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+        num_rows, head_dim = q.shape
+        init = (jnp.full((num_rows,), _MASK_INIT, jnp.float32), jnp.zeros((num_rows,), jnp.float32),
+                jnp.zeros((num_rows, head_dim), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(t0, t1, tile_step, init)
+        out = acc / jnp.maximum(l, 1e-30)[:, None]
+        if num_splits == 1:
+            pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
+        else:  # each split leaves its normalised output and base-2 log-sum-exp (-inf when empty)
+            pltriton.store(o_ref.at[(split, *row_idx)], out, mask=row_valid[:, None])
+            pltriton.store(lse_ref.at[split, token, head], m + jnp.log2(l), mask=row_valid)
+
+
+def _merge_splits(o_split, lse_split):
+    """o_split [K, T, Hq, D] f32 normalised per split, lse_split [K, T, Hq] base 2 -> [T, Hq, D]."""
+    lse_max = jnp.max(lse_split, axis=0)  # [T, Hq]
+    weight = jnp.exp2(lse_split - lse_max[None])  # [K, T, Hq]; 0 for empty splits
+    return jnp.einsum("kth,kthd->thd", weight, o_split) / jnp.sum(weight, axis=0)[..., None]
+
+
+def _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles) -> int:
+    """Split KV only when too few (sequence, head) programs would fill the GPU: few long decodes."""
+    busy_programs = max(max_seqs, pl.cdiv(num_tokens, block_q)) * num_kv_heads
+    if busy_programs >= _NUM_SMS:
+        return 1
+    return max(1, min(pl.cdiv(2 * _NUM_SMS, busy_programs), num_tiles // 4))
+
+
+def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs):
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, kv_head_dim = k_cache.shape
+    max_seqs = block_tables.shape[0]
+    if k_cache.shape != v_cache.shape or kv_head_dim != head_dim:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be "
+                         f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    if head_dim not in (32, 64, 128, 256):
+        raise ValueError(f"head_dim={head_dim} must be one of 32, 64, 128, 256")
+    if kv_lens.shape != (max_seqs,) or cu_q_lens.shape != (max_seqs + 1,) or num_seqs.shape != (1,):
+        raise ValueError(f"kv_lens {kv_lens.shape}, cu_q_lens {cu_q_lens.shape}, num_seqs "
+                         f"{num_seqs.shape} must be [{max_seqs}], [{max_seqs + 1}], [1]")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_k", "num_kv_splits",
+    "num_warps", "num_stages"))
+def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                           sm_scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, interpret: bool = False,
+                           block_q: int | None = None, block_k: int | None = None,
+                           num_kv_splits: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, _fill_value: float = 0.0):
+    """The Pallas kernel; same contract as `ragged_paged_attention_reference` (module docstring).
+
+    Tiles (all optional, static): `block_q` query tokens per program (a power of two; the rows of
+    a program are block_q x the group padded to a power of two), `block_k` KV tokens per tile,
+    `num_kv_splits` KV splits merged exactly afterwards (flash-decoding; default: only when
+    fewer programs than SMs would run). Padding rows (past cu_q_lens[num_seqs]) come back zero.
+    """
+    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    max_seqs, max_pages = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    decode_bucket = num_tokens <= max_seqs
+    if block_q is None:  # decode: the fewest rows a tensor-core dot takes; prefill: 64 rows
+        block_q = max(1, (16 if decode_bucket else 64) // group_pad)
+    if block_k is None:
+        block_k = 64 if head_dim <= 128 else 32
+    num_tiles = pl.cdiv(max_pages * page_size, block_k)
+    if num_kv_splits is None:
+        num_kv_splits = _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles)
+    if block_q * group_pad < 16 or block_q & (block_q - 1) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_q * {group_pad} (={block_q * group_pad}) and block_k={block_k} "
+                         "must be powers of two >= 16")
+
+    num_q_blocks = pl.cdiv(num_tokens, block_q) + max_seqs
+    seq_starts = cu_q_lens[:-1] // block_q + jnp.arange(max_seqs, dtype=jnp.int32)
+    seq_starts = jnp.pad(seq_starts, (0, _next_pow2(max_seqs) - max_seqs),
+                         constant_values=jnp.iinfo(jnp.int32).max)  # [pow2 >= S]
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    split_shape = (num_kv_splits, num_tokens, num_q_heads)
+    if num_kv_splits == 1:
+        out_init = (jnp.full(q.shape, _fill_value, q.dtype),)
+    else:
+        out_init = (jnp.full((*split_shape, head_dim), _fill_value, jnp.float32),
+                    jnp.full(split_shape, _fill_value, jnp.float32))
+    kernel = functools.partial(
+        _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
+        num_splits=num_kv_splits)
+    inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
+              k_cache.reshape(flat), v_cache.reshape(flat))
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, num_kv_heads, num_kv_splits),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_init],
+        input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or 4,
+                                                num_stages=num_stages or 2),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(*inputs, *out_init)
+    if num_kv_splits == 1:
+        return outs[0]
+    live = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
+    out = jnp.where(live[:, None, None], _merge_splits(*outs), 0.0)
+    return out.astype(q.dtype)
