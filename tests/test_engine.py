@@ -1,0 +1,215 @@
+"""The engine end to end against HF transformers (torch, fp32): greedy generation token for
+token, under preemption and chunked prefill; no compilation after warm-up; bad input; no leaks."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+
+NUM_NEW_TOKENS = 32
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation by HF transformers; EOS is masked, as min_tokens does in jaxllm."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            cache, new = None, []
+            step_ids = ids
+            for _ in range(num_new_tokens):
+                out = model(input_ids=step_ids, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits = out.logits[0, -1]
+                logits[eos] = -float("inf")
+                token = int(torch.argmax(logits))
+                new.append(token)
+                step_ids = torch.tensor([[token]])
+            outputs.append(new)
+    return outputs
+
+
+def random_prompts(seed: int, count: int, vocab: int, lengths=(3, 45)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def greedy(num_tokens: int = NUM_NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=num_tokens)
+
+
+def make_llm(model_dir: str, **kwargs) -> LLM:
+    defaults = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                    num_gpu_blocks_override=64, block_size=8, compilation_cache_dir=None)
+    return LLM(model_dir, **{**defaults, **kwargs})
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats()["num_free_blocks"] == engine.num_blocks - 1
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dirs):
+    prompts = random_prompts(0, 6, 300)
+    return prompts, {kind: hf_greedy(d, prompts, NUM_NEW_TOKENS)
+                     for kind, d in tiny_model_dirs.items()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_hf(kind, tiny_model_dirs, hf_reference):
+    prompts, expected = hf_reference
+    llm = make_llm(tiny_model_dirs[kind], enforce_eager=True)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected[kind]
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_matches_hf_under_preemption(tiny_model_dirs, hf_reference):
+    prompts, expected = hf_reference
+    # 6 prompts of up to 45 + 32 tokens in 8-token blocks need ~60 blocks at once: 20 forces
+    # the newest running requests out and back in (recompute).
+    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks_override=20, enforce_eager=True)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected["llama"]
+    assert llm.llm_engine.get_stats()["num_preemptions_total"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dirs, hf_reference):
+    prompts, expected = hf_reference
+    # A budget of 8 tokens per step chunks every prompt longer than 8 (and most are).
+    llm = make_llm(tiny_model_dirs["llama"], max_num_batched_tokens=8, max_num_seqs=4,
+                   enforce_eager=True)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected["llama"]
+    assert_all_blocks_free(llm)
+
+
+class CompileCounter:
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def test_no_compilation_after_warmup(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=32)  # warm-up on
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        rng = random.Random(1)
+        for round_ in range(3):
+            prompts = random_prompts(round_ + 10, rng.randint(1, 12), 300, lengths=(1, 60))
+            params = [SamplingParams(
+                temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5, 50]),
+                top_p=rng.choice([1.0, 0.9, 0.5]), min_p=rng.choice([0.0, 0.1]),
+                repetition_penalty=rng.choice([1.0, 1.2]), presence_penalty=rng.choice([0, 0.5]),
+                frequency_penalty=rng.choice([0, 0.3]), seed=rng.choice([None, 7]),
+                logprobs=rng.choice([None, 3]), n=rng.choice([1, 2]),
+                max_tokens=rng.randint(1, 40)) for _ in prompts]
+            llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    assert counter.count == 0, f"{counter.count} compilations after warm-up"
+    assert_all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return make_llm(tiny_llama_dir, enforce_eager=True)
+
+
+def test_seeded_sampling_ignores_batch_composition(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    target = [5, 17, 42, 99, 7]
+    alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(5, 5, 300)
+    mixed = llm.generate(others[:2] + [target] + others[2:],
+                         [SamplingParams(temperature=0.8, seed=None, max_tokens=20)] * 2
+                         + [params] + [SamplingParams(temperature=0.0, max_tokens=5)] * 3,
+                         use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+
+
+def test_n_and_logprobs(llm):
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6,
+                                                      logprobs=2), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for completion in out.outputs:
+        assert len(completion.token_ids) == 6 and len(completion.logprobs) == 6
+        for token, step in zip(completion.token_ids, completion.logprobs):
+            assert token in step and all(lp.logprob <= 0 for lp in step.values())
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs)),
+            rel=1e-5)
+    assert_all_blocks_free(llm)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    first = llm.generate([[9, 10, 11]], greedy(8), use_tqdm=False)[0].outputs[0]
+    stop_at = first.token_ids[3]
+    out = llm.generate([[9, 10, 11]], SamplingParams(temperature=0, max_tokens=8,
+                                                     stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == first.token_ids[:first.token_ids.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "empty"),
+    ([1] * 129, SamplingParams(), "maximum model length of 128"),
+    ([1, 10**6], SamplingParams(), "out of vocabulary"),
+])
+def test_bad_input_raises_and_leaks_nothing(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[3, 4, 5], prompt], params, use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens must be at least 1"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(temperature=-1.0), "temperature must be non-negative"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_model_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+
+
+def test_max_model_len_that_does_not_fit(tiny_llama_dir):
+    with pytest.raises(ValueError, match="estimated maximum model length is 32"):
+        make_llm(tiny_llama_dir, num_gpu_blocks_override=5, block_size=8, enforce_eager=True)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50))
+    engine.add_request("b", list(range(3, 20)), SamplingParams(max_tokens=50, n=2))
+    for _ in range(3):
+        engine.step()
+    assert engine.get_stats()["num_free_blocks"] < engine.num_blocks - 1
+    engine.abort_request(["a", "b"])
+    assert_all_blocks_free(llm)
+    assert engine.step() == []
+    np.testing.assert_equal(engine.has_unfinished_requests(), False)
