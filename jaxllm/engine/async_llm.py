@@ -1,0 +1,188 @@
+"""AsyncLLM: an EngineCore stepped by one background thread, fed and drained from asyncio.
+
+The engine is not thread-safe, so the loop thread is the only one that touches it: requests and
+aborts arrive through a locked inbox drained between steps, and outputs travel back to each
+request's asyncio queue via `loop.call_soon_threadsafe`. When nothing is in flight the thread
+sleeps on a condition variable (no busy spin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-queue-len allows (the server answers 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop raised and stopped; no request can complete."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput | BaseException
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None
+    stream: _Stream
+    accepted: concurrent.futures.Future  # result None, or the ValueError from add_request
+
+
+class AsyncLLM:
+    def __init__(self, engine_core, max_queue_len: int | None = None) -> None:
+        self.core = engine_core
+        self.tokenizer = engine_core.tokenizer
+        self.max_model_len: int = engine_core.max_model_len
+        self.model_name: str = engine_core.model_name
+        self.max_queue_len = max_queue_len
+        self._wakeup = threading.Condition()
+        self._inbox: deque[_AddCommand | str] = deque()  # adds, and request ids to abort
+        self._streams: dict[str, _Stream] = {}  # owned by the loop thread
+        self._stats: dict = dict(engine_core.get_stats())
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run_loop, name="jaxllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side -------------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs until the request finishes.
+
+        Validation errors (ValueError) and QueueFullError are raised by the first `__anext__`,
+        before any output, so an HTTP handler can still answer 400/503. Closing or cancelling
+        the iterator early aborts the request and frees its KV blocks.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_AddCommand(request_id, list(prompt_token_ids), sampling_params, prompt,
+                                 stream, accepted))
+        finished = False
+        try:
+            await asyncio.wrap_future(accepted)
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._wakeup:
+            self._inbox.append(request_id)
+            self._wakeup.notify()
+
+    def get_stats(self) -> dict:
+        """The engine's stats after its latest step (see EngineCore.get_stats)."""
+        return self._stats
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    def _submit(self, command: _AddCommand) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"The engine loop stopped: {self._error!r}")
+        with self._wakeup:
+            if self.max_queue_len is not None:
+                num_queued = self._stats.get("num_waiting", 0) + sum(
+                    isinstance(c, _AddCommand) for c in self._inbox)
+                if num_queued >= self.max_queue_len:
+                    raise QueueFullError(
+                        f"The server is at capacity: {num_queued} requests are waiting "
+                        f"(max_queue_len={self.max_queue_len}). Retry later.")
+            self._inbox.append(command)
+            self._wakeup.notify()
+
+    # ---- loop thread --------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        try:
+            while True:
+                commands = self._wait_for_work()
+                if commands is None:
+                    return
+                self._apply(commands)
+                if self.core.has_unfinished_requests():
+                    self._dispatch(self.core.step())
+                self._stats = dict(self.core.get_stats())
+        except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
+            logger.exception("Engine loop crashed")
+            self._error = error
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"The engine loop stopped: {error!r}"))
+            self._streams.clear()
+            self._fail_inbox(error)
+
+    def _wait_for_work(self) -> list[_AddCommand | str] | None:
+        with self._wakeup:
+            while not self._inbox and not self._stopping and not self.core.has_unfinished_requests():
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            commands = list(self._inbox)
+            self._inbox.clear()
+            return commands
+
+    def _apply(self, commands: list[_AddCommand | str]) -> None:
+        for command in commands:
+            if isinstance(command, str):
+                if self._streams.pop(command, None) is not None:
+                    self.core.abort_request([command])
+                continue
+            try:
+                self.core.add_request(command.request_id, command.prompt_token_ids,
+                                      command.sampling_params, prompt=command.prompt)
+            except ValueError as error:
+                command.accepted.set_exception(error)
+                continue
+            self._streams[command.request_id] = command.stream
+            command.accepted.set_result(None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+
+    def _fail_inbox(self, error: BaseException) -> None:
+        with self._wakeup:
+            for command in self._inbox:
+                if isinstance(command, _AddCommand):
+                    command.accepted.set_exception(
+                        EngineDeadError(f"The engine loop stopped: {error!r}"))
+            self._inbox.clear()

@@ -1,0 +1,231 @@
+"""OpenAI-compatible request and response schemas as msgspec Structs.
+
+Requests decode strictly on types (no "1" for an int, no float for an int, no bool for a number).
+Unknown fields are ignored with a warning, as vLLM does: the openai client and its users send
+fields (user, tools, metadata, ...) that a server without them should still accept.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share, names and defaults as vLLM's OpenAI server."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # A string, a list of strings, token ids, or a list of token-id lists; msgspec allows one
+    # array type per union, so the list's homogeneity is checked after decoding.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, bool | int | float | str] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int
+    object: str = "model"
+    created: int = msgspec.field(default_factory=_now)
+    owned_by: str = "jaxllm"
+    root: str | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+    created: int = msgspec.field(default_factory=_now)
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+    created: int = msgspec.field(default_factory=_now)
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion.chunk"
+    created: int = msgspec.field(default_factory=_now)
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+    created: int = msgspec.field(default_factory=_now)
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

@@ -1,0 +1,249 @@
+"""What both generation endpoints share: model check, sampling params, length checks, streams."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+import msgspec
+
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from jaxllm.sampling_params import SamplingParams
+from server.errors import OpenAIError, error_body
+from server.metrics import RequestTimer, ServerMetrics
+from server.protocol import ModelCard, ModelList, UsageInfo, _SamplingFields
+
+logger = logging.getLogger(__name__)
+_ENCODER = msgspec.json.Encoder()
+
+# A request fans out into n sequences; past this the server would only queue itself to death.
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
+                 chat_template: str | None = None) -> None:
+        self.engine = engine
+        # The engine thread detokenizes with its tokenizer; the event loop gets its own copy.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.served_model_names = served_model_names
+        self.metrics = metrics
+        self.chat_template = chat_template
+
+    def models(self) -> ModelList:
+        root = self.served_model_names[0]
+        return ModelList([ModelCard(id=name, max_model_len=self.max_model_len, root=root)
+                          for name in self.served_model_names])
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_model_names:
+            return self.served_model_names[0]
+        raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+
+    # -- sampling -------------------------------------------------------------------------------
+    def sampling_params(self, request: _SamplingFields, max_tokens: int | None, prompt_len: int,
+                        logprobs: int | None) -> SamplingParams:
+        self.check_lengths(prompt_len, max_tokens)
+        _check_finite(request)
+        if not 1 <= request.n <= MAX_N:
+            raise OpenAIError(f"n must be in [1, {MAX_N}], got {request.n}.", param="n")
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop
+        if stop is not None and len(stop) > MAX_STOP_STRINGS:
+            raise OpenAIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, "
+                              f"got {len(stop)}.", param="stop")
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=_default(request.temperature, 1.0),
+                top_p=_default(request.top_p, 1.0),
+                top_k=_default(request.top_k, 0),
+                min_p=_default(request.min_p, 0.0),
+                presence_penalty=_default(request.presence_penalty, 0.0),
+                frequency_penalty=_default(request.frequency_penalty, 0.0),
+                repetition_penalty=_default(request.repetition_penalty, 1.0),
+                seed=request.seed,
+                max_tokens=self.max_model_len - prompt_len if max_tokens is None else max_tokens,
+                min_tokens=request.min_tokens,
+                stop=stop,
+                stop_token_ids=request.stop_token_ids,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                ignore_eos=request.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens)
+        except ValueError as error:
+            raise OpenAIError(str(error)) from None
+
+    def check_lengths(self, prompt_len: int, max_tokens: int | None) -> None:
+        if max_tokens is None and prompt_len >= self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {prompt_len} input tokens. Please reduce the length of the "
+                f"input messages.")
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                f"completion.", param="max_tokens")
+
+    # -- streams --------------------------------------------------------------------------------
+    async def start(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
+                    request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submits every prompt; returns once all were accepted (errors become 4xx/503 here).
+
+        The returned iterator yields (prompt index, cumulative output) and records latency
+        metrics; closing it early aborts whatever is unfinished.
+        """
+        timers = [self.metrics.timer() for _ in prompts]
+        streams = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt=text)
+                   for i, (ids, text) in enumerate(prompts)]
+        firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
+        error = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if error is not None:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise _as_openai_error(error)
+        return _timed(_merge(firsts, streams), timers)
+
+
+async def _timed(outputs: AsyncIterator[tuple[int, RequestOutput]], timers: list[RequestTimer]):
+    try:
+        async for index, output in outputs:
+            timers[index].on_output()
+            if output.finished:
+                timers[index].on_finished(max(len(o.token_ids) for o in output.outputs))
+            yield index, output
+    finally:
+        await outputs.aclose()
+
+
+async def _merge(firsts: list, streams: list[AsyncIterator]):
+    """Interleaves several engine streams, each already advanced by one item (`firsts`)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(index: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, error))
+        finally:
+            queue.put_nowait((index, done))
+
+    for index, first in enumerate(firsts):
+        if first is not None:
+            queue.put_nowait((index, first))
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _as_openai_error(error: BaseException) -> BaseException:
+    if isinstance(error, ValueError):
+        return OpenAIError(str(error))
+    if isinstance(error, QueueFullError):
+        return OpenAIError(str(error), HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(str(error), HTTPStatus.INTERNAL_SERVER_ERROR)
+    return error
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+def _check_finite(request: _SamplingFields) -> None:
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(request, name)
+        if value is not None and not math.isfinite(value):
+            raise OpenAIError(f"{name} must be a finite number, got {value}.", param=name)
+
+
+def usage(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+def top_entries(step: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The step's top-`num` alternatives by rank (the sampled token may rank anywhere)."""
+    ranked = sorted(step.items(), key=lambda item: (item[1].rank or 0, -item[1].logprob))
+    return [item for item in ranked if item[1].rank is not None and item[1].rank <= num][:num]
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs  # one dict per new token; [] when not asked
+    first: bool  # the choice's first delta
+
+
+class DeltaTracker:
+    """Turns cumulative CompletionOutputs into per-choice deltas for streaming."""
+
+    def __init__(self) -> None:
+        self.text_len: dict[int, int] = {}
+        self.num_tokens: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    def delta(self, index: int, completion: CompletionOutput) -> Delta | None:
+        """What is new in `completion` since the last call for `index`; None when nothing is."""
+        if index in self.finished:
+            return None
+        first = index not in self.num_tokens
+        start_text, start_token = self.text_len.get(index, 0), self.num_tokens.get(index, 0)
+        text = completion.text[start_text:]
+        num_new = len(completion.token_ids) - start_token
+        if not text and num_new <= 0 and completion.finish_reason is None:
+            return None
+        self.text_len[index] = max(start_text, len(completion.text))
+        self.num_tokens[index] = len(completion.token_ids)
+        if completion.finish_reason is not None:
+            self.finished.add(index)
+        # The engine thread appends to `logprobs` while we read: slice by the token snapshot.
+        end = len(completion.token_ids)
+        logprobs = (completion.logprobs or [])[start_token:end]
+        return Delta(text, completion.token_ids[start_token:end], logprobs, first)
+
+
+def token_text(tokenizer, token_id: int, logprob: Logprob) -> str:
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def sse(encoder, chunk) -> bytes:
+    return b"data: " + encoder.encode(chunk) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def stream_error(error: Exception) -> bytes:
+    """An error after the 200 went out: an SSE event with OpenAI's error body."""
+    logger.error("Stream failed: %r", error)
+    status = getattr(error, "status", HTTPStatus.INTERNAL_SERVER_ERROR)
+    return sse(_ENCODER, error_body(str(error), status))
