@@ -1,0 +1,71 @@
+"""HF checkpoint tensor names -> paths in our params pytree.
+
+A path is a dotted string: "embed", "final_norm", "lm_head", "layers.<i>.<name>". HF stores
+linear weights as [out, in]; ours are [in, out], so those are marked for transposition.
+"""
+
+from __future__ import annotations
+
+import re
+
+# HF per-layer suffix -> (our name, transpose)
+_LAYER = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.bias": ("bo", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_TOP = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def map_hf_name(name: str) -> tuple[str, bool] | None:
+    """-> (param path, transpose), or None for tensors we do not use (rotary caches)."""
+    if name in _TOP:
+        return _TOP[name]
+    match = _LAYER_RE.fullmatch(name)
+    if match and match.group(2) in _LAYER:
+        ours, transpose = _LAYER[match.group(2)]
+        return f"layers.{match.group(1)}.{ours}", transpose
+    if _IGNORED.fullmatch(name):
+        return None
+    raise ValueError(f"Unexpected weight {name!r} in the checkpoint.")
+
+
+def flatten_paths(tree: dict) -> dict[str, object]:
+    """{"layers": [{"wq": x}]} -> {"layers.0.wq": x}."""
+    flat = {}
+    for key, value in tree.items():
+        if key == "layers":
+            for i, layer in enumerate(value):
+                flat.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def unflatten_paths(flat: dict[str, object], num_layers: int) -> dict:
+    tree: dict = {"layers": [{} for _ in range(num_layers)]}
+    for path, value in flat.items():
+        parts = path.split(".")
+        if parts[0] == "layers":
+            tree["layers"][int(parts[1])][parts[2]] = value
+        else:
+            tree[path] = value
+    return tree

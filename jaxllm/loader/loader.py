@@ -1,0 +1,138 @@
+"""load_model: an HF directory (or a dummy preset) -> ModelArgs, params on device, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from jaxllm.loader.dummy import dummy_params
+from jaxllm.loader.hf_names import flatten_paths, map_hf_name, unflatten_paths
+from jaxllm.loader.placement import Shardings, place
+from jaxllm.loader.safetensors_io import count_tensors, iter_tensors, safetensors_files
+from jaxllm.models import ModelArgs, param_shapes
+from jaxllm.models.presets import PRESETS
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+_LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class LoadedModel:
+    args: ModelArgs
+    params: dict
+    hf_config: dict
+    tokenizer: object | None  # transformers PreTrainedTokenizerFast; None for dummy presets
+    eos_token_ids: set[int]
+    model_path: str  # the directory, or the preset name
+    max_model_len: int  # default from the config (max_position_embeddings)
+    dtype: jnp.dtype = field(default=jnp.float32)
+
+
+def resolve_dtype(dtype: str) -> jnp.dtype:
+    """'auto' is bfloat16 on GPU and float32 elsewhere."""
+    if dtype == "auto":
+        return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {('auto', *_DTYPES)}, got {dtype!r}.")
+    return jnp.dtype(_DTYPES[dtype])
+
+
+def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
+               shardings: Shardings | None = None, tokenizer: str | None = None) -> LoadedModel:
+    """model: a local HF directory, a preset name (dummy only), or None for the default model."""
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}.")
+    if model is None:
+        from jaxllm.loader.default_model import default_model_dir
+        model = default_model_dir()
+    target = resolve_dtype(dtype)
+    if load_format == "dummy" and model in PRESETS:
+        return _dummy_preset(model, target, seed, shardings)
+    if not os.path.isdir(model):
+        raise ValueError(f"Model path {model!r} does not exist (or is not a directory). Pass a "
+                         f"local HF model directory{' or a preset: ' + ', '.join(PRESETS) if load_format == 'dummy' else ''}.")
+    hf_config = _read_json(os.path.join(model, "config.json"), required=True)
+    args = ModelArgs.from_hf_config(hf_config)
+    if load_format == "dummy":
+        params = dummy_params(args, target, seed, shardings)
+    else:
+        params = load_safetensors(model, args, target, shardings)
+    tok = load_tokenizer(tokenizer or model)
+    return LoadedModel(args=args, params=params, hf_config=hf_config, tokenizer=tok,
+                       eos_token_ids=eos_token_ids(model, hf_config, tok), model_path=model,
+                       max_model_len=hf_config.get("max_position_embeddings", 2048), dtype=target)
+
+
+def _dummy_preset(name: str, dtype, seed: int, shardings) -> LoadedModel:
+    hf_config = PRESETS[name]
+    args = ModelArgs.from_hf_config(hf_config)
+    return LoadedModel(args=args, params=dummy_params(args, dtype, seed, shardings),
+                       hf_config=hf_config, tokenizer=None,
+                       eos_token_ids=_as_id_set(hf_config.get("eos_token_id")), model_path=name,
+                       max_model_len=hf_config["max_position_embeddings"], dtype=dtype)
+
+
+def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Shardings | None = None) -> dict:
+    """Every tensor read memory-mapped, converted and placed on device one at a time."""
+    expected = flatten_paths(param_shapes(args))
+    files = safetensors_files(model_dir)
+    flat = {}
+    with tqdm(total=count_tensors(files), desc="Loading weights", unit="tensor",
+              disable=None) as progress:
+        for path in files:
+            for name, host in iter_tensors(path):
+                progress.update()
+                mapped = map_hf_name(name)
+                if mapped is None or (mapped[0] == "lm_head" and args.tie_word_embeddings):
+                    continue
+                param, transpose = mapped
+                shape = tuple(reversed(host.shape)) if transpose else tuple(host.shape)
+                if expected.get(param) != shape:
+                    raise ValueError(f"Weight {name} has shape {host.shape}; the config expects "
+                                     f"{expected.get(param)} for {param}.")
+                flat[param] = place(host, dtype, transpose, shardings(param) if shardings else None)
+    missing = sorted(set(expected) - set(flat))
+    if missing:
+        raise ValueError(f"Checkpoint {model_dir} lacks weights: {missing[:8]}.")
+    return unflatten_paths(flat, args.num_layers)
+
+
+def load_tokenizer(path: str):
+    """transformers' fast tokenizer from a directory; None when it has no tokenizer files."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        logger.warning("No tokenizer files in %s; running without a tokenizer.", path)
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model_dir: str, hf_config: dict, tokenizer) -> set[int]:
+    """EOS ids from config.json and generation_config.json; the tokenizer's if both are silent."""
+    generation = _read_json(os.path.join(model_dir, "generation_config.json"), required=False)
+    ids = _as_id_set(hf_config.get("eos_token_id")) | _as_id_set(generation.get("eos_token_id"))
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids = {tokenizer.eos_token_id}
+    return ids
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def _read_json(path: str, required: bool) -> dict:
+    if not os.path.exists(path):
+        if required:
+            raise ValueError(f"{path} does not exist: a model directory needs an HF config.json.")
+        return {}
+    with open(path) as f:
+        return json.load(f)

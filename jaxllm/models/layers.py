@@ -1,0 +1,74 @@
+"""Building blocks shared by every decoder: RMSNorm, rotary embedding, the MLPs."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.models.args import ModelArgs
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., H]: normalised in fp32, cast back before the weight (as HF's LlamaRMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> np.ndarray:
+    """[head_dim // 2] float64 inverse frequencies, with linear or llama3 scaling (static)."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if args.rope_type == "linear":
+        return inv_freq / args.rope_factor
+    if args.rope_type == "llama3":
+        return _llama3_scaling(inv_freq, args)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: np.ndarray, args: ModelArgs) -> np.ndarray:
+    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    old_len, factor = args.rope_original_max_position, args.rope_factor
+    low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: jax.Array, args: ModelArgs) -> tuple[jax.Array, jax.Array]:
+    """positions [T] -> cos, sin [T, 1, head_dim // 2] float32."""
+    inv_freq = jnp.asarray(rope_inv_freq(args), jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, D], HF's half-split layout (rotate_half), computed in fp32."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs) -> jax.Array:
+    """SwiGLU: x [T, H] -> [T, H]."""
+    gate = jnp.einsum("th,hi->ti", x, layer["w_gate"])
+    up = jnp.einsum("th,hi->ti", x, layer["w_up"])
+    return jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, layer["w_down"])
+
+
+def dense_mlp_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    h, i = args.hidden_size, args.intermediate_size
+    return {"w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+
+
+# mlp_kind -> (apply, per-layer weight shapes). An MoE block registers itself here.
+MLPS: dict[str, tuple[Callable, Callable[[ModelArgs], dict]]] = {
+    "dense": (dense_mlp, dense_mlp_shapes),
+}

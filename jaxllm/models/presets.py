@@ -1,0 +1,40 @@
+"""HF-style config dicts of well-known models, for dummy-weight benchmarks (load_format="dummy").
+
+The MoE presets (qwen3-30b-a3b, mixtral-8x7b) are configs only until an MoE block registers its
+architecture in models.args.ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+_LLAMA_31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+_LLAMA_31 = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                 max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                 rope_scaling=_LLAMA_31_ROPE, tie_word_embeddings=False, bos_token_id=128000,
+                 eos_token_id=[128001, 128008, 128009], attention_bias=False, mlp_bias=False)
+
+_QWEN3 = dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+              rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
+              eos_token_id=151645, attention_bias=False, use_sliding_window=False)
+
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(_LLAMA_31, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    "llama-3.1-70b": dict(_LLAMA_31, hidden_size=8192, intermediate_size=28672,
+                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+    "qwen3-8b": dict(_QWEN3, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8),
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                         vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+                         rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+}

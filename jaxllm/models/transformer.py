@@ -1,0 +1,93 @@
+"""The decoder as a pure function over a params pytree and a paged KV cache.
+
+One step runs every scheduled token of every sequence (a ragged `StepBatch`); layers are a Python
+loop over per-layer arrays, so the step unrolls them (measured much faster than a scan).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.models.args import ModelArgs
+from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
+from jaxllm.worker.batch import StepBatch
+from pallas_kernels.kv_write import write_kv_reference
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [num_blocks, block_size, kv_heads, D]
+
+
+def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Per-layer weight shapes, matrices as [in, out]."""
+    h, q, kv, d = args.hidden_size, args.q_size, args.kv_size, args.head_dim
+    shapes = {"attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
+              "mlp_norm": (h,)}
+    if args.qkv_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if args.o_bias:
+        shapes["bo"] = (h,)
+    if args.qk_norm:
+        shapes.update(q_norm=(d,), k_norm=(d,))
+    shapes.update(MLPS[args.mlp_kind][1](args))
+    return shapes
+
+
+def param_shapes(args: ModelArgs) -> dict:
+    """The params pytree with a shape tuple at every leaf."""
+    shapes = {"embed": (args.vocab_size, args.hidden_size),
+              "layers": [layer_shapes(args) for _ in range(args.num_layers)],
+              "final_norm": (args.hidden_size,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head"] = (args.hidden_size, args.vocab_size)
+    return shapes
+
+
+def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
+    out = jnp.einsum("th,ho->to", x, layer[w])
+    return out + layer[b] if b in layer else out
+
+
+def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBatch, cos, sin,
+                     args: ModelArgs, attn: Callable, write_kv: Callable):
+    num_tokens = x.shape[0]
+    h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps)
+    q = _project(h, layer, "wq", "bq").reshape(num_tokens, args.num_heads, args.head_dim)
+    k = _project(h, layer, "wk", "bk").reshape(num_tokens, args.num_kv_heads, args.head_dim)
+    v = _project(h, layer, "wv", "bv").reshape(num_tokens, args.num_kv_heads, args.head_dim)
+    if args.qk_norm:
+        q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    out = attn(q, k_cache, v_cache, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
+               batch.num_seqs, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window)
+    out = _project(out.reshape(num_tokens, args.q_size), layer, "wo", "bo")
+    return out, k_cache, v_cache
+
+
+def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelArgs,
+            attn: Callable = ragged_paged_attention_reference,
+            write_kv: Callable = write_kv_reference) -> tuple[jax.Array, KVCache]:
+    """-> (logits [S, V] float32 at batch.logits_indices, updated kv_caches).
+
+    Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32.
+    """
+    mlp = MLPS[args.mlp_kind][0]
+    x = params["embed"][batch.token_ids]  # [T, H]
+    cos, sin = rope_cos_sin(batch.positions, args)
+    new_caches = []
+    for layer, (k_cache, v_cache) in zip(params["layers"], kv_caches, strict=True):
+        out, k_cache, v_cache = _attention_block(layer, x, k_cache, v_cache, batch, cos, sin,
+                                                 args, attn, write_kv)
+        x = x + out
+        x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args)
+        new_caches.append((k_cache, v_cache))
+    x = rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, H]
+    if "lm_head" in params:
+        logits = jnp.einsum("sh,hv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("sh,vh->sv", x, params["embed"], preferred_element_type=jnp.float32)
+    return logits, new_caches

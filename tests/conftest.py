@@ -1,0 +1,116 @@
+"""Shared fixtures: tiny random HF checkpoints on disk (Llama with llama3 rope scaling, Qwen2 with
+qkv bias, Qwen3 with q/k norm; fp32, tokenizer included) and the converted default model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n'"
+    " }}{% endif %}")
+TINY_VOCAB = 384
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks of tokens.",
+    "Hello world, how are you today? I am fine, thank you very much!",
+    "JAX compiles numerical programs for accelerators; Pallas writes kernels.",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" # $ % & @ ^ _ ` | ~",
+] * 4
+
+_BASE = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0)
+TINY_CONFIGS = {
+    # original_max_position_embeddings is small so llama3 scaling changes these head_dim's freqs
+    "llama": dict(_BASE, architectures=["LlamaForCausalLM"], model_type="llama",
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+    "qwen2": dict(_BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                  num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3": dict(_BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+def build_tiny_tokenizer():
+    """A byte-level BPE trained offline on a few sentences, with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", chat_template=CHATML_TEMPLATE)
+
+
+def _randomize(model, seed: int) -> None:
+    """Random everything (HF's init leaves norms at 1 and biases at 0, which hides bugs)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
+
+
+def save_tiny_checkpoint(kind: str, out_dir: str, tokenizer, seed: int = 0) -> str:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_CONFIGS[kind])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer) -> str:
+    return save_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("tiny_llama")), tiny_tokenizer, 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, tiny_tokenizer) -> str:
+    return save_tiny_checkpoint("qwen2", str(tmp_path_factory.mktemp("tiny_qwen2")), tiny_tokenizer, 2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer) -> str:
+    return save_tiny_checkpoint("qwen3", str(tmp_path_factory.mktemp("tiny_qwen3")), tiny_tokenizer, 3)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir) -> dict[str, str]:
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The converted SmolLM2-135M-Instruct (fetched and converted once into the cache)."""
+    from jaxllm.loader.default_model import default_model_dir as resolve
+
+    return resolve()
