@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 
 def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -17,3 +20,52 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
     v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
     return k_cache.reshape(num_pages, page_size, num_kv_heads, head_dim), v_cache.reshape(
         num_pages, page_size, num_kv_heads, head_dim)
+
+
+# Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into
+# their slots of the flattened cache, which is aliased in place (donate it under jit).
+_BLOCK_TOKENS = 16
+# Which path `write_kv` takes on GPU, set from the H200 benchmark (python -m pallas_kernels.bench).
+USE_PALLAS = False
+
+
+def _write_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref):
+    del k_cache_in, v_cache_in  # aliased to the outputs
+    num_tokens, _, head_dim = k_ref.shape
+    token = pl.program_id(0) * _BLOCK_TOKENS + jnp.arange(_BLOCK_TOKENS, dtype=jnp.int32)
+    valid = token < num_tokens
+    slot = pltriton.load(slot_ref.at[token], mask=valid, other=0)  # [Bt]
+    dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    src = (token[:, None], pl.program_id(1), dims)
+    dst = (slot[:, None], pl.program_id(1), dims)
+    for src_ref, dst_ref in ((k_ref, k_cache_ref), (v_ref, v_cache_ref)):
+        rows = pltriton.load(src_ref.at[src], mask=valid[:, None], other=0)  # [Bt, D]
+        pltriton.store(dst_ref.at[dst], rows.astype(dst_ref.dtype), mask=valid[:, None])
+
+
+def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, interpret: bool = False):
+    """Same contract as `write_kv_reference`, as a Pallas kernel writing the caches in place."""
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    num_tokens = k.shape[0]
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k {k.shape}, v {v.shape} must be [T, {num_kv_heads}, {head_dim}]")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [{num_tokens}]")
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    k_out, v_out = pl.pallas_call(
+        _write_kernel,
+        grid=(pl.cdiv(num_tokens, _BLOCK_TOKENS), num_kv_heads),
+        out_shape=[jax.ShapeDtypeStruct(flat, k_cache.dtype)] * 2,
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="write_kv",
+    )(slot_mapping, k, v, k_cache.reshape(flat), v_cache.reshape(flat))
+    return k_out.reshape(k_cache.shape), v_out.reshape(v_cache.shape)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """The engine's KV write: the Pallas kernel on GPU when it measured faster, else the scatter."""
+    if USE_PALLAS and jax.default_backend() == "gpu":
+        return write_kv_pallas(k_cache, v_cache, k, v, slot_mapping)
+    return write_kv_reference(k_cache, v_cache, k, v, slot_mapping)

@@ -1,0 +1,135 @@
+"""Ragged paged attention: the Pallas kernel (interpret mode) against the pure-jnp reference,
+and its lowering for CUDA on this CPU machine."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                   ragged_paged_attention_reference)
+
+
+def make_batch(seed, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size,
+               dtype=jnp.float32, max_seqs=None, num_tokens=None, max_pages=None):
+    """Random inputs; every sequence's pages drawn from a random permutation of the cache."""
+    rng = np.random.default_rng(seed)
+    num_seqs = len(q_lens)
+    max_seqs = max_seqs or num_seqs
+    pages_needed = [-(-n // page_size) for n in kv_lens]
+    max_pages = max_pages or max(max(pages_needed), 1)
+    num_pages = sum(pages_needed) + 3
+    perm = rng.permutation(np.arange(1, num_pages))  # block 0 is the padding block
+    block_tables = rng.integers(0, num_pages, (max_seqs, max_pages)).astype(np.int32)
+    used = 0
+    for s, n in enumerate(pages_needed):
+        block_tables[s, :n] = perm[used:used + n]
+        used += n
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1:num_seqs + 1] = np.cumsum(q_lens)
+    cu[num_seqs + 1:] = cu[num_seqs]
+    num_tokens = num_tokens or max(int(cu[-1]), 1)
+    kv = np.zeros(max_seqs, np.int32)
+    kv[:num_seqs] = kv_lens
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    cache_shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return (normal(num_tokens, num_q_heads, head_dim), normal(*cache_shape), normal(*cache_shape),
+            jnp.asarray(kv), jnp.asarray(block_tables), jnp.asarray(cu),
+            jnp.asarray([num_seqs], jnp.int32))
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def check(args, *, tol, fill=float("nan"), **kw):
+    """Kernel on a NaN-poisoned output vs the reference on fp32 inputs; live rows only."""
+    out = ragged_paged_attention(*args, interpret=True, _fill_value=fill, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
+    upcast = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    ref = ragged_paged_attention_reference(*upcast, **ref_kw)
+    live = int(args[5][int(args[6][0])])
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    assert np.isfinite(np.asarray(out[:live], np.float32)).all(), "unwritten or NaN rows"
+    assert rel_err(out[:live], ref[:live]) < tol
+    return out
+
+
+HEADS = [(9, 3, 64), (4, 1, 32), (8, 2, 128)]  # group 3 (padded to 4), 4 (MQA), 4
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
+def test_mixed_prefill_decode_fp32(num_q_heads, num_kv_heads, head_dim):
+    # q_len 0 (a finished sequence), 1 (decode), chunked prefill with and without context
+    args = make_batch(1, [1, 0, 7, 1, 19], [40, 0, 7, 1, 50], num_q_heads=num_q_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=16, max_seqs=7,
+                      num_tokens=32)
+    check(args, tol=1e-5, sm_scale=head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("page_size,block_k", [(16, 64), (32, 16), (64, 32)])
+def test_page_sizes_decode_bf16(page_size, block_k):
+    args = make_batch(2, [1] * 5, [1, 77, 130, 64, 200], num_q_heads=9, num_kv_heads=3,
+                      head_dim=64, page_size=page_size, dtype=jnp.bfloat16, max_seqs=8,
+                      num_tokens=8)
+    check(args, tol=1e-2, sm_scale=0.125, block_k=block_k)
+
+
+def test_long_context_split_kv():
+    args = make_batch(3, [1, 1, 3], [1500, 700, 900], num_q_heads=8, num_kv_heads=2,
+                      head_dim=64, page_size=16, max_seqs=4, num_tokens=8)
+    for splits in (1, 5):
+        check(args, tol=1e-5, sm_scale=0.125, num_kv_splits=splits)
+
+
+def test_sliding_window_and_soft_cap():
+    args = make_batch(4, [5, 1, 12], [60, 90, 12], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                      page_size=16, max_seqs=3, num_tokens=24)
+    for splits in (1, 3):
+        check(args, tol=1e-5, sm_scale=0.3, sliding_window=20, soft_cap=5.0, num_kv_splits=splits)
+
+
+def test_default_tiles_prefill_bucket_and_padding_rows_zero():
+    args = make_batch(5, [33, 2], [70, 2], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                      page_size=16, max_seqs=4, num_tokens=48)
+    out = check(args, tol=1e-5, fill=0.0, sm_scale=0.2)
+    assert not np.asarray(out[35:]).any()
+
+
+def test_random_ragged_batches():
+    rng = np.random.default_rng(6)
+    for seed in range(3):
+        num_seqs = int(rng.integers(1, 6))
+        q_lens = rng.integers(0, 9, num_seqs)
+        kv_lens = q_lens + rng.integers(0, 120, num_seqs)
+        args = make_batch(10 + seed, q_lens, kv_lens, num_q_heads=6, num_kv_heads=2, head_dim=32,
+                          page_size=16, max_seqs=num_seqs + 1, num_tokens=int(q_lens.sum()) + 5)
+        check(args, tol=1e-5, sm_scale=0.17, num_kv_splits=int(rng.integers(1, 4)))
+
+
+def test_bad_shapes_raise():
+    args = make_batch(7, [1], [5], num_q_heads=6, num_kv_heads=4, head_dim=32, page_size=16)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ragged_paged_attention(*args, sm_scale=1.0, interpret=True)
+
+
+def test_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    num_tokens, max_seqs, max_pages = 64, 8, 16
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    for num_q_heads, num_kv_heads, head_dim in [(9, 3, 64), (32, 8, 128)]:
+        cache = sds((64, 16, num_kv_heads, head_dim), jnp.bfloat16)
+        args = (sds((num_tokens, num_q_heads, head_dim), jnp.bfloat16), cache, cache,
+                sds((max_seqs,), jnp.int32), sds((max_seqs, max_pages), jnp.int32),
+                sds((max_seqs + 1,), jnp.int32), sds((1,), jnp.int32))
+        for splits in (1, 4):
+            fn = functools.partial(ragged_paged_attention, sm_scale=0.1, num_kv_splits=splits,
+                                   soft_cap=30.0, sliding_window=128)
+            with jax.sharding.use_abstract_mesh(mesh):
+                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            assert "ragged_paged_attention" in lowered.as_text()
