@@ -1,0 +1,258 @@
+"""Scheduler: grants, chunked prefill, limits, preemption, aborts, stops, and a randomised run."""
+
+import random
+
+import pytest
+
+from jaxllm.config import CacheConfig, SchedulerConfig
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+                   max_model_len=64):
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+                     CacheConfig(block_size=block_size), num_blocks)
+
+
+def make_request(request_id, num_prompt_tokens, **params):
+    prompt = [1000 + 10 * len(request_id) + i for i in range(num_prompt_tokens)]
+    return Request(request_id, prompt, SamplingParams(**params))
+
+
+def grants(output):
+    """(id, first position, number of tokens, block table, samples) per scheduled request."""
+    return [(s.request_id, s.num_computed_tokens, len(s.token_ids), s.block_ids, s.samples)
+            for s in output.scheduled]
+
+
+def sample_all(scheduler, output, token_id=5):
+    return scheduler.update_from_output(
+        output, {s.request_id: token_id for s in output.scheduled})
+
+
+def test_chunked_prefill_grants_and_batch_order():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    a, b = make_request("a", 20, max_tokens=4), make_request("b", 6, max_tokens=4)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert grants(out) == [("a", 0, 8, [1], False)]
+    assert out.scheduled[0].token_ids == a.prompt_token_ids[0:8] and a.num_computed_tokens == 8
+    assert sample_all(scheduler, out) == [] and a.output_token_ids == []  # a partial prefill
+    out = scheduler.schedule()
+    assert grants(out) == [("a", 8, 8, [1, 2], False)]
+    sample_all(scheduler, out)
+    out = scheduler.schedule()
+    assert grants(out) == [("a", 16, 4, [1, 2, 3], True), ("b", 0, 4, [4], False)]
+    assert out.num_scheduled_tokens == 8 and out.scheduled[1].token_ids == b.prompt_token_ids[:4]
+    assert sample_all(scheduler, out, token_id=9) == [a] and a.output_token_ids == [9]
+    out = scheduler.schedule()
+    assert grants(out) == [("a", 20, 1, [1, 2, 3], True), ("b", 4, 2, [4], True)]
+    assert out.scheduled[0].token_ids == [9] and out.scheduled[0].num_output_tokens == 1
+    assert out.scheduled[0].num_prompt_tokens == 20
+
+
+def test_max_num_seqs_limits_admissions():
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    for request_id, max_tokens in (("a", 1), ("b", 5), ("c", 5)):
+        scheduler.add_request(make_request(request_id, 3, max_tokens=max_tokens))
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)
+    sample_all(scheduler, out)  # a reaches max_tokens=1
+    out = scheduler.schedule()
+    assert grants(out) == [("b", 3, 1, [2], True), ("c", 0, 3, [3], True)]
+    assert out.finished_request_ids == {"a"}
+
+
+def test_max_num_batched_tokens_chunks_the_last_admission():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    for request_id in "abc":
+        scheduler.add_request(make_request(request_id, 4))
+    out = scheduler.schedule()
+    assert grants(out) == [("a", 0, 4, [1], True), ("b", 0, 4, [2], True), ("c", 0, 2, [3], False)]
+    assert out.num_scheduled_tokens == 10
+    sample_all(scheduler, out)
+    out = scheduler.schedule()  # decodes first, then the rest of c's prompt
+    assert grants(out) == [("a", 4, 1, [1], True), ("b", 4, 1, [2], True), ("c", 2, 2, [3], True)]
+
+
+def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
+    scheduler = make_scheduler(num_blocks=5)  # 4 usable blocks of 8 tokens
+    a, b = make_request("a", 16, max_tokens=3), make_request("b", 9, max_tokens=3)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert grants(out) == [("a", 0, 16, [1, 2], True), ("b", 0, 9, [3, 4], True)]
+    sample_all(scheduler, out, token_id=11)
+    scheduler.add_request(make_request("c", 2))  # waits behind the preempted b
+    out = scheduler.schedule()
+    # a's 17th token needs a block: b, the newest, is preempted; its blocks return tail first.
+    assert grants(out) == [("a", 16, 1, [1, 2, 4], True)]
+    assert out.preempted_request_ids == {"b"}
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and scheduler.num_preemptions_total == 1
+    assert list(scheduler.waiting) == [b, scheduler.requests["c"]]
+    assert scheduler.kv_cache_manager.get_block_ids("b") == []
+    assert scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids() == [3]
+    sample_all(scheduler, out, token_id=12)
+    out = scheduler.schedule()  # b needs 2 blocks, 1 is free: it waits
+    assert grants(out) == [("a", 17, 1, [1, 2, 4], True)] and out.preempted_request_ids == set()
+    sample_all(scheduler, out, token_id=13)  # a reaches max_tokens
+    out = scheduler.schedule()
+    assert out.finished_request_ids == {"a"}
+    # b recomputes its prompt and its sampled token; a's blocks came back as [3, 4, 2, 1].
+    assert grants(out) == [("b", 0, 10, [3, 4], True), ("c", 0, 2, [2], True)]
+    assert out.scheduled[0].token_ids == b.prompt_token_ids + [11]
+    assert out.scheduled[0].num_output_tokens == 1 and b.status == RequestStatus.RUNNING
+
+
+def test_a_request_that_is_itself_the_newest_preempts_itself():
+    scheduler = make_scheduler(num_blocks=3)  # 2 usable blocks
+    scheduler.add_request(make_request("a", 7, max_tokens=2))
+    scheduler.add_request(make_request("b", 8, max_tokens=2))
+    sample_all(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    assert grants(out) == [("a", 7, 1, [1], True)] and out.preempted_request_ids == {"b"}
+    assert scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids() == [2]
+    assert [r.request_id for r in scheduler.waiting] == ["b"]
+
+
+def test_abort_waiting_and_running_requests_frees_everything():
+    scheduler = make_scheduler(num_blocks=9, max_num_seqs=2)
+    for request_id in "abc":
+        scheduler.add_request(make_request(request_id, 12))
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert scheduler.kv_cache_manager.num_free_blocks == 4
+    scheduler.finish_requests(["c", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache_manager.num_free_blocks == 6
+    # b was aborted between schedule() and update_from_output(): its token is dropped.
+    assert sample_all(scheduler, out) == [scheduler.requests["a"]]
+    scheduler.finish_requests("a", RequestStatus.FINISHED_STOPPED)  # e.g. a stop string
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # already finished: ignored
+    assert scheduler.kv_cache_manager.num_free_blocks == 8
+    assert not scheduler.has_unfinished_requests() and scheduler.num_running == 0
+    out = scheduler.schedule()
+    assert out.scheduled == [] and out.finished_request_ids == {"a", "b", "c"}
+    assert scheduler.schedule().finished_request_ids == set()
+    with pytest.raises(ValueError, match="finished status"):
+        scheduler.finish_requests("a", RequestStatus.RUNNING)
+
+
+def run_to_finish(scheduler, request, token_ids):
+    """Feeds token_ids one per step; returns the finished request's output tokens."""
+    scheduler.add_request(request)
+    tokens = iter(token_ids)
+    while not request.is_finished():
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, {s.request_id: next(tokens) for s in out.scheduled})
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_gpu_blocks - 1
+    return request.output_token_ids
+
+
+@pytest.mark.parametrize("params, tokens, expected_output, status, stop_reason", [
+    (dict(max_tokens=3), [7, 7, 7, 7], [7, 7, 7], RequestStatus.FINISHED_LENGTH_CAPPED, None),
+    (dict(stop_token_ids=[7], min_tokens=2), [7, 7, 3], [7, 7], RequestStatus.FINISHED_STOPPED, 7),
+    (dict(max_tokens=2, stop_token_ids=[7]), [3, 7], [3, 7],
+     RequestStatus.FINISHED_LENGTH_CAPPED, None),  # length is checked first, as vLLM
+    (dict(all_stop_token_ids={2}), [3, 2, 4], [3, 2], RequestStatus.FINISHED_STOPPED, None),
+    (dict(all_stop_token_ids={2}, min_tokens=2), [2, 2, 4], [2, 2],
+     RequestStatus.FINISHED_STOPPED, None),
+    (dict(all_stop_token_ids={2}, ignore_eos=True, max_tokens=3), [2, 2, 2, 2], [2, 2, 2],
+     RequestStatus.FINISHED_LENGTH_CAPPED, None),
+    (dict(max_tokens=None), list(range(20, 40)), list(range(20, 26)),
+     RequestStatus.FINISHED_LENGTH_CAPPED, None),  # 10 prompt + 6 = max_model_len
+])
+def test_stop_conditions(params, tokens, expected_output, status, stop_reason):
+    scheduler = make_scheduler(max_model_len=16)
+    request = make_request("r", 10, **params)
+    assert run_to_finish(scheduler, request, tokens) == expected_output
+    assert request.status == status and request.stop_reason == stop_reason
+
+
+def test_prompt_of_max_model_len_gets_one_token():
+    scheduler = make_scheduler(max_model_len=16)
+    assert run_to_finish(scheduler, make_request("r", 16, max_tokens=8), [4, 4]) == [4]
+
+
+def test_add_request_rejects_bad_requests():
+    scheduler = make_scheduler(num_blocks=5, max_model_len=64)
+    with pytest.raises(ValueError, match="empty"):
+        scheduler.add_request(make_request("a", 0))
+    with pytest.raises(ValueError, match="maximum model length of 64"):
+        scheduler.add_request(make_request("a", 65))
+    with pytest.raises(ValueError, match="needs 5 KV cache blocks .* 33 tokens.* 4 usable"):
+        scheduler.add_request(make_request("a", 20, max_tokens=14))
+    scheduler.add_request(make_request("a", 20, max_tokens=13))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("a", 3))
+    assert scheduler.get_num_unfinished_requests() == 1 and scheduler.num_waiting == 1
+
+
+def test_randomised_run_with_aborts_ends_with_every_block_free():
+    rng = random.Random(1234)
+    block_size, num_blocks, max_model_len = 8, 20, 48
+    scheduler = make_scheduler(num_blocks, block_size, max_num_seqs=6, max_num_batched_tokens=24,
+                               max_model_len=max_model_len)
+    pool = scheduler.kv_cache_manager.block_pool
+    expected_tokens = {}  # request id -> prompt + every token fed to it, kept by the test
+    next_position = {}  # request id -> where its next grant must start
+    requests = []
+    for i in range(120):
+        prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
+        max_tokens = rng.choice([None, 1, 5, 20])
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[3], all_stop_token_ids={4},
+                                min_tokens=0 if max_tokens == 1 else rng.choice([0, 2]))
+        requests.append(Request(f"r{i}", prompt, params))
+    pending = list(requests)
+    num_steps = 0
+    while pending or scheduler.has_unfinished_requests():
+        for _ in range(rng.randrange(3)):
+            if pending:
+                request = pending.pop(0)
+                scheduler.add_request(request)
+                expected_tokens[request.request_id] = list(request.prompt_token_ids)
+                next_position[request.request_id] = 0
+        waiting_before = {r.request_id for r in scheduler.waiting}
+        out = scheduler.schedule()
+        num_steps += 1
+        if out.preempted_request_ids:  # as vLLM, a step that preempts admits no one
+            assert not waiting_before & {s.request_id for s in out.scheduled}
+        assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled) <= 24
+        assert len(out.scheduled) <= 6 and scheduler.num_running <= 6
+        for request_id in out.preempted_request_ids:
+            next_position[request_id] = 0
+        held_blocks = []
+        for s in out.scheduled:
+            tokens = expected_tokens[s.request_id]
+            start = next_position[s.request_id]
+            assert s.num_computed_tokens == start
+            assert s.token_ids == tokens[start:start + len(s.token_ids)]
+            assert s.samples == (start + len(s.token_ids) == len(tokens))
+            assert len(s.block_ids) == -(-(start + len(s.token_ids)) // block_size)
+            next_position[s.request_id] = start + len(s.token_ids)
+            held_blocks += s.block_ids
+        held_blocks += [b for r in scheduler.running for b in
+                        scheduler.kv_cache_manager.get_block_ids(r.request_id)
+                        if r.request_id not in {s.request_id for s in out.scheduled}]
+        assert 0 not in held_blocks and len(set(held_blocks)) == len(held_blocks)
+        assert pool.num_free_blocks + len(held_blocks) == num_blocks - 1
+        assert all(pool.blocks[b].ref_cnt == 1 for b in held_blocks)
+        if rng.random() < 0.15 and scheduler.requests:  # abort a waiting or running request
+            victim = rng.choice(sorted(scheduler.requests))
+            scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        sampled = {s.request_id: rng.randrange(1, 60) for s in out.scheduled}
+        updated = scheduler.update_from_output(out, sampled)
+        for request in updated:
+            expected_tokens[request.request_id].append(sampled[request.request_id])
+            assert request.all_token_ids == expected_tokens[request.request_id]
+            assert request.num_tokens <= max_model_len
+    assert all(r.is_finished() for r in requests)
+    assert {r.get_finished_reason() for r in requests} == {"stop", "length", "abort"}
+    assert scheduler.num_preemptions_total > 0 and num_steps < 2000
+    assert pool.num_free_blocks == num_blocks - 1
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    assert scheduler.kv_cache_manager.req_to_blocks == {}
