@@ -39,6 +39,12 @@ class ModelArgs:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that use the dense MLP
+
+    def layer_mlp_kind(self, layer_index: int) -> str:
+        return "dense" if layer_index in self.dense_layers else self.mlp_kind
 
     @property
     def q_size(self) -> int:
@@ -113,9 +119,38 @@ def _qwen3(cfg: dict, arch: str) -> ModelArgs:
     return _dense_args(cfg, arch, qk_norm=True, sliding_window=_qwen_window(cfg))
 
 
+def _mixtral(cfg: dict, arch: str) -> ModelArgs:
+    return _dense_args(cfg, arch, mlp_kind="moe", num_experts=cfg["num_local_experts"],
+                       num_experts_per_tok=cfg["num_experts_per_tok"],
+                       moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+
+
+def _qwen_moe_fields(cfg: dict) -> dict:
+    num_layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
+    return dict(mlp_kind="moe", num_experts=cfg["num_experts"],
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,
+                sliding_window=_qwen_window(cfg))
+
+
+def _qwen3_moe(cfg: dict, arch: str) -> ModelArgs:
+    return _dense_args(cfg, arch, qk_norm=True, **_qwen_moe_fields(cfg))
+
+
+def _qwen2_moe(cfg: dict, arch: str) -> ModelArgs:
+    return _dense_args(cfg, arch, qkv_bias=True, o_bias=False, **_qwen_moe_fields(cfg),
+                       shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0))
+
+
 ARCHITECTURES: dict[str, Callable[[dict, str], ModelArgs]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
 }

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.args import ModelArgs
+from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" MLPs)
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
 from jaxllm.worker.batch import StepBatch
 from pallas_kernels.kv_write import write_kv_reference
@@ -20,7 +21,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention_referen
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [num_blocks, block_size, kv_heads, D]
 
 
-def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+def layer_shapes(args: ModelArgs, layer_index: int = 0) -> dict[str, tuple[int, ...]]:
     """Per-layer weight shapes, matrices as [in, out]."""
     h, q, kv, d = args.hidden_size, args.q_size, args.kv_size, args.head_dim
     shapes = {"attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
@@ -31,14 +32,14 @@ def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes["bo"] = (h,)
     if args.qk_norm:
         shapes.update(q_norm=(d,), k_norm=(d,))
-    shapes.update(MLPS[args.mlp_kind][1](args))
+    shapes.update(MLPS[args.layer_mlp_kind(layer_index)][1](args))
     return shapes
 
 
 def param_shapes(args: ModelArgs) -> dict:
     """The params pytree with a shape tuple at every leaf."""
     shapes = {"embed": (args.vocab_size, args.hidden_size),
-              "layers": [layer_shapes(args) for _ in range(args.num_layers)],
+              "layers": [layer_shapes(args, i) for i in range(args.num_layers)],
               "final_norm": (args.hidden_size,)}
     if not args.tie_word_embeddings:
         shapes["lm_head"] = (args.hidden_size, args.vocab_size)
