@@ -20,8 +20,8 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 class LogprobsTensors:
     top_ids: jax.Array  # [N, MAX_LOGPROBS] i32, best first
     top_logprobs: jax.Array  # [N, MAX_LOGPROBS] f32
-    token_logprob: jax.Array  # [N] f32: logprob of the chosen token
-    token_rank: jax.Array  # [N] i32: tokens at least as likely as the chosen one (1 = argmax)
+    sampled_logprob: jax.Array  # [N] f32: logprob of the chosen token
+    sampled_rank: jax.Array  # [N] i32: tokens at least as likely as the chosen one (1 = argmax)
 
 
 def gather_logprobs(logits: jax.Array, token_ids: jax.Array) -> LogprobsTensors:
@@ -29,14 +29,14 @@ def gather_logprobs(logits: jax.Array, token_ids: jax.Array) -> LogprobsTensors:
     one's (vLLM's convention: 1 for the argmax, ties share the worse rank)."""
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    token_logprob = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    token_rank = jnp.sum(logprobs >= token_logprob[:, None], axis=-1, dtype=jnp.int32)
+    sampled_logprob = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    sampled_rank = jnp.sum(logprobs >= sampled_logprob[:, None], axis=-1, dtype=jnp.int32)
     return LogprobsTensors(top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs,
-                           token_logprob=token_logprob, token_rank=token_rank)
+                           sampled_logprob=sampled_logprob, sampled_rank=sampled_rank)
 
 
 def empty_logprobs(num_rows: int) -> LogprobsTensors:
     return LogprobsTensors(top_ids=jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32),
                            top_logprobs=jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32),
-                           token_logprob=jnp.zeros((num_rows,), jnp.float32),
-                           token_rank=jnp.zeros((num_rows,), jnp.int32))
+                           sampled_logprob=jnp.zeros((num_rows,), jnp.float32),
+                           sampled_rank=jnp.zeros((num_rows,), jnp.int32))

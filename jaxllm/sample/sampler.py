@@ -20,8 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.sample.logprobs import LogprobsTensors, empty_logprobs, gather_logprobs
-from jaxllm.sample.metadata import SamplingMetadata
-from jaxllm.sample.penalties import PenaltyState, apply_penalties
+from jaxllm.sample.metadata import SamplingMetadata, build_sampling_metadata
+from jaxllm.sample.penalties import (PenaltyState, apply_penalties, init_penalty_state,
+                                     record_tokens)
+
+# The runner's whole interface, importable from this one module.
+__all__ = ["SamplerOutput", "SamplingMetadata", "PenaltyState", "build_sampling_metadata",
+           "init_penalty_state", "record_tokens", "sample", "gather_logprobs"]
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as vLLM
 
