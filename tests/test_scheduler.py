@@ -91,6 +91,7 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     out = scheduler.schedule()
     # a's 17th token needs a block: b, the newest, is preempted; its blocks return tail first.
     assert grants(out) == [("a", 16, 1, [1, 2, 4], True)]
+    assert out.scheduled[0].new_block_ids == [4]
     assert out.preempted_request_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and scheduler.num_preemptions_total == 1
@@ -100,11 +101,13 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     sample_all(scheduler, out, token_id=12)
     out = scheduler.schedule()  # b needs 2 blocks, 1 is free: it waits
     assert grants(out) == [("a", 17, 1, [1, 2, 4], True)] and out.preempted_request_ids == set()
+    assert out.scheduled[0].new_block_ids == []
     sample_all(scheduler, out, token_id=13)  # a reaches max_tokens
     out = scheduler.schedule()
     assert out.finished_request_ids == {"a"}
     # b recomputes its prompt and its sampled token; a's blocks came back as [3, 4, 2, 1].
     assert grants(out) == [("b", 0, 10, [3, 4], True), ("c", 0, 2, [2], True)]
+    assert [s.new_block_ids for s in out.scheduled] == [[3, 4], [2]]
     assert out.scheduled[0].token_ids == b.prompt_token_ids + [11]
     assert out.scheduled[0].num_output_tokens == 1 and b.status == RequestStatus.RUNNING
 
@@ -200,6 +203,7 @@ def test_randomised_run_with_aborts_ends_with_every_block_free():
     pool = scheduler.kv_cache_manager.block_pool
     expected_tokens = {}  # request id -> prompt + every token fed to it, kept by the test
     next_position = {}  # request id -> where its next grant must start
+    runner_tables = {}  # request id -> block table kept from new_block_ids, as a runner would
     requests = []
     for i in range(120):
         prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
@@ -234,6 +238,10 @@ def test_randomised_run_with_aborts_ends_with_every_block_free():
             assert s.samples == (start + len(s.token_ids) == len(tokens))
             assert len(s.block_ids) == -(-(start + len(s.token_ids)) // block_size)
             next_position[s.request_id] = start + len(s.token_ids)
+            if start == 0:
+                runner_tables[s.request_id] = []
+            runner_tables[s.request_id] += s.new_block_ids
+            assert runner_tables[s.request_id] == s.block_ids
             held_blocks += s.block_ids
         held_blocks += [b for r in scheduler.running for b in
                         scheduler.kv_cache_manager.get_block_ids(r.request_id)

@@ -29,6 +29,9 @@ class ScheduledRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     block_ids: list[int]  # the whole block table (a snapshot)
+    # The ids this grant appended to block_ids; all of them when num_computed_tokens == 0. A
+    # runner that keeps block tables across steps copies only these.
+    new_block_ids: list[int]
     sampling_params: SamplingParams
     samples: bool  # this grant reaches the last known token, so the step yields a new one
 
@@ -131,9 +134,10 @@ class Scheduler:
             if num_new_tokens <= 0:  # nothing to compute until its sampled token arrives
                 req_index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new_tokens, preempted_ids):
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted_ids)
+            if new_block_ids is None:
                 break
-            scheduled.append(self._grant(request, num_new_tokens))
+            scheduled.append(self._grant(request, num_new_tokens, new_block_ids))
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -142,12 +146,13 @@ class Scheduler:
                and len(running) < self.max_num_seqs):
             request = self.waiting[0]
             num_new_tokens = self._num_new_tokens(request, token_budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             running.append(request)
-            scheduled.append(self._grant(request, num_new_tokens))
+            scheduled.append(self._grant(request, num_new_tokens, new_block_ids))
             token_budget -= num_new_tokens
 
         finished_ids, self.finished_req_ids = self.finished_req_ids, set()
@@ -160,16 +165,17 @@ class Scheduler:
                    self.max_model_len - num_computed)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             preempted_ids: set[str]) -> bool:
+                             preempted_ids: set[str]) -> list[int] | None:
         """Allocates blocks for the grant, preempting the newest running requests until it fits;
-        False when the request itself had to be preempted."""
-        while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+        returns the new block ids, or None when the request itself had to be preempted."""
+        while (new_block_ids := self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens)) is None:
             victim = self.running.pop()
             self._preempt(victim)
             preempted_ids.add(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return None
+        return new_block_ids
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -179,16 +185,18 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def _grant(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _grant(self, request: Request, num_new_tokens: int,
+               new_block_ids: list[int]) -> ScheduledRequest:
         """Describes the grant and advances num_computed_tokens past it (as vLLM)."""
         start = request.num_computed_tokens
         end = start + num_new_tokens
         request.num_computed_tokens = end
+        all_token_ids = request.all_token_ids  # len() directly: this runs per request per step
         return ScheduledRequest(
-            request.request_id, request.all_token_ids[start:end], start,
-            request.num_prompt_tokens, request.num_output_tokens,
-            self.kv_cache_manager.get_block_ids(request.request_id).copy(),
-            request.sampling_params, end == request.num_tokens)
+            request.request_id, all_token_ids[start:end], start,
+            len(request.prompt_token_ids), len(request.output_token_ids),
+            self.kv_cache_manager.get_block_ids(request.request_id).copy(), new_block_ids,
+            request.sampling_params, end == len(all_token_ids))
 
     # ---- results ----
 
