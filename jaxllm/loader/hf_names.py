@@ -26,6 +26,20 @@ _LAYER = {
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
 }
+# MoE blocks: Mixtral's block_sparse_moe.*, Qwen2/3-MoE's mlp.*. Experts are stored one tensor per
+# expert; their paths carry the expert index ("layers.<i>.experts_gate.<j>") and the loader
+# stacks them into [E, ...] params.
+_LAYER.update({
+    "block_sparse_moe.gate.weight": ("router", True),
+    "mlp.gate.weight": ("router", True),
+    "mlp.shared_expert.gate_proj.weight": ("shared_gate", True),
+    "mlp.shared_expert.up_proj.weight": ("shared_up", True),
+    "mlp.shared_expert.down_proj.weight": ("shared_down", True),
+    "mlp.shared_expert_gate.weight": ("shared_expert_gate", True),
+})
+_EXPERT_RE = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_PROJ = {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down",
+                "gate_proj": "experts_gate", "up_proj": "experts_up", "down_proj": "experts_down"}
 _TOP = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -43,9 +57,20 @@ def map_hf_name(name: str) -> tuple[str, bool] | None:
     if match and match.group(2) in _LAYER:
         ours, transpose = _LAYER[match.group(2)]
         return f"layers.{match.group(1)}.{ours}", transpose
+    expert = _EXPERT_RE.fullmatch(match.group(2)) if match else None
+    if expert and expert.group(2) in _EXPERT_PROJ:
+        return f"layers.{match.group(1)}.{_EXPERT_PROJ[expert.group(2)]}.{expert.group(1)}", True
     if _IGNORED.fullmatch(name):
         return None
     raise ValueError(f"Unexpected weight {name!r} in the checkpoint.")
+
+
+def split_expert_path(path: str) -> tuple[str, int | None]:
+    """"layers.0.experts_gate.3" -> ("layers.0.experts_gate", 3); other paths -> (path, None)."""
+    parts = path.split(".")
+    if len(parts) == 4:
+        return ".".join(parts[:3]), int(parts[3])
+    return path, None
 
 
 def flatten_paths(tree: dict) -> dict[str, object]:

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.loader.dummy import dummy_params
-from jaxllm.loader.hf_names import flatten_paths, map_hf_name, unflatten_paths
+from jaxllm.loader.hf_names import flatten_paths, map_hf_name, split_expert_path, unflatten_paths
 from jaxllm.loader.placement import Shardings, place
 from jaxllm.loader.safetensors_io import count_tensors, iter_tensors, safetensors_files
 from jaxllm.models import ModelArgs, param_shapes
@@ -84,7 +85,7 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
     """Every tensor read memory-mapped, converted and placed on device one at a time."""
     expected = flatten_paths(param_shapes(args))
     files = safetensors_files(model_dir)
-    flat = {}
+    flat, experts = {}, {}
     with tqdm(total=count_tensors(files), desc="Loading weights", unit="tensor",
               disable=None) as progress:
         for path in files:
@@ -94,11 +95,21 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
                 if mapped is None or (mapped[0] == "lm_head" and args.tie_word_embeddings):
                     continue
                 param, transpose = mapped
+                param, expert = split_expert_path(param)
+                if expert is not None:  # stacked after the loop, once all experts are read
+                    experts.setdefault(param, {})[expert] = host.T if transpose else host
+                    continue
                 shape = tuple(reversed(host.shape)) if transpose else tuple(host.shape)
                 if expected.get(param) != shape:
                     raise ValueError(f"Weight {name} has shape {host.shape}; the config expects "
                                      f"{expected.get(param)} for {param}.")
                 flat[param] = place(host, dtype, transpose, shardings(param) if shardings else None)
+    for param, by_index in experts.items():
+        stacked = np.stack([by_index[j] for j in sorted(by_index)])  # [E, in, out]
+        if expected.get(param) != stacked.shape:
+            raise ValueError(f"Experts of {param} stack to {stacked.shape}; the config expects "
+                             f"{expected.get(param)}.")
+        flat[param] = place(stacked, dtype, False, shardings(param) if shardings else None)
     missing = sorted(set(expected) - set(flat))
     if missing:
         raise ValueError(f"Checkpoint {model_dir} lacks weights: {missing[:8]}.")
