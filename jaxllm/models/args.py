@@ -129,7 +129,8 @@ def _qwen_moe_fields(cfg: dict) -> dict:
     num_layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
     only_mlp = set(cfg.get("mlp_only_layers") or ())
     dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
-    return dict(mlp_kind="moe", num_experts=cfg["num_experts"],
+    num_experts = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 name
+    return dict(mlp_kind="moe", num_experts=num_experts,
                 num_experts_per_tok=cfg["num_experts_per_tok"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense,
