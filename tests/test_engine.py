@@ -24,18 +24,12 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], num_new_tokens: int) -> 
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
-            cache, new = None, []
-            step_ids = ids
-            for _ in range(num_new_tokens):
-                out = model(input_ids=step_ids, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                logits = out.logits[0, -1]
+            ids = list(prompt)
+            for _ in range(num_new_tokens):  # full recompute: no reliance on HF's cache API
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
                 logits[eos] = -float("inf")
-                token = int(torch.argmax(logits))
-                new.append(token)
-                step_ids = torch.tensor([[token]])
-            outputs.append(new)
+                ids.append(int(torch.argmax(logits)))
+            outputs.append(ids[len(prompt):])
     return outputs
 
 

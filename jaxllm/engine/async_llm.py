@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -59,7 +60,8 @@ class AsyncLLM:
         self._wakeup = threading.Condition()
         self._inbox: deque[_AddCommand | str] = deque()  # adds, and request ids to abort
         self._streams: dict[str, _Stream] = {}  # owned by the loop thread
-        self._stats: dict = dict(engine_core.get_stats())
+        self._stats: dict = _as_dict(engine_core.get_stats())
+        self._num_aborted = 0  # requests aborted while still running (client gone, or abort())
         self._error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run_loop, name="jaxllm-engine", daemon=True)
@@ -98,7 +100,8 @@ class AsyncLLM:
             self._wakeup.notify()
 
     def get_stats(self) -> dict:
-        """The engine's stats after its latest step (see EngineCore.get_stats)."""
+        """The engine's stats after its latest step (see EngineCore.get_stats), and
+        num_aborted_total."""
         return self._stats
 
     @property
@@ -136,7 +139,8 @@ class AsyncLLM:
                 self._apply(commands)
                 if self.core.has_unfinished_requests():
                     self._dispatch(self.core.step())
-                self._stats = dict(self.core.get_stats())
+                self._stats = {**_as_dict(self.core.get_stats()),
+                               "num_aborted_total": self._num_aborted}
         except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("Engine loop crashed")
             self._error = error
@@ -160,6 +164,7 @@ class AsyncLLM:
             if isinstance(command, str):
                 if self._streams.pop(command, None) is not None:
                     self.core.abort_request([command])
+                    self._num_aborted += 1
                 continue
             try:
                 self.core.add_request(command.request_id, command.prompt_token_ids,
@@ -186,3 +191,8 @@ class AsyncLLM:
                     command.accepted.set_exception(
                         EngineDeadError(f"The engine loop stopped: {error!r}"))
             self._inbox.clear()
+
+
+def _as_dict(stats) -> dict:
+    # EngineCore.get_stats() is specified as a dict; the scheduler's stats dataclass also works.
+    return stats if isinstance(stats, dict) else dataclasses.asdict(stats)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from functools import partial
 
 import jax
 import numpy as np
@@ -14,13 +13,12 @@ from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.output_processor import OutputProcessor, child_request_id
-from jaxllm.loader import load_model
-from jaxllm.models import forward
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import kv_cache
 from jaxllm.worker.model_runner import ModelRunner
 from pallas_kernels import kv_write, ragged_paged_attention
+from sharding.setup import engine_mesh, load_for_engine
 
 logger = logging.getLogger("jaxllm")
 
@@ -40,10 +38,13 @@ def _enable_compilation_cache(path: str | None) -> None:
 
 
 class EngineCore:
-    def __init__(self, engine_args: EngineArgs, log=logger.info) -> None:
+    def __init__(self, engine_args: EngineArgs, log=logger.info, mesh=None) -> None:
         _enable_compilation_cache(engine_args.compilation_cache_dir)
-        loaded = load_model(engine_args.model, engine_args.dtype, engine_args.load_format,
-                            engine_args.seed)
+        attn, write_kv = _attention_backend(engine_args.attention_backend)
+        # TP (and EP within it) runs on `mesh`; DP replicas each get their own (dp_engine.py).
+        sharded = load_for_engine(engine_args, mesh if mesh is not None else
+                                  engine_mesh(engine_args), attn, write_kv)
+        loaded = sharded.loaded
         self.config = config = engine_args.create_engine_config(loaded.max_model_len)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
@@ -52,19 +53,23 @@ class EngineCore:
         self.model_name = (engine_args.served_model_name or engine_args.model
                            or "SmolLM2-135M-Instruct")
         self._seed_rng = np.random.default_rng(engine_args.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
-        attn, write_kv = _attention_backend(config.runner_config.attention_backend)
-        model_fn = partial(forward, args=loaded.args, attn=attn, write_kv=write_kv)
+        model_fn = sharded.model_fn
         cache_config, sched = config.cache_config, config.scheduler_config
-        args = loaded.args
-        layout = (args.num_layers, cache_config.block_size, args.num_kv_heads, args.head_dim)
+        args = sharded.args  # KV heads as the cache holds them
+        # Per device: the cache is split by KV head over the TP devices.
+        layout = (args.num_layers, cache_config.block_size, args.num_kv_heads // sharded.tp,
+                  args.head_dim)
         dtype = jax.tree.leaves(loaded.params)[0].dtype
         block_bytes = kv_cache.bytes_per_block(*layout, dtype)
 
         def make_runner(num_blocks: int) -> ModelRunner:
             caches = kv_cache.allocate_kv_caches(args.num_layers, num_blocks,
                                                  cache_config.block_size, args.num_kv_heads,
-                                                 args.head_dim, dtype)
+                                                 args.head_dim, dtype,
+                                                 sharded.kv_cache_sharding)
             return ModelRunner(model_fn, loaded.params, caches, vocab_size=args.vocab_size,
                                block_size=cache_config.block_size,
                                max_model_len=self.max_model_len,
@@ -110,6 +115,7 @@ class EngineCore:
             children.append(Request(child_request_id(request_id, index, n), prompt_token_ids,
                                     params))
         self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), children)
+        self.prompt_tokens_total += len(prompt_token_ids)
         for child in children:
             self.scheduler.add_request(child)
 
@@ -144,6 +150,7 @@ class EngineCore:
             return []
         result = self.runner.execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
+        self.generation_tokens_total += len(updated)
         outputs, stopped = self.output_processor.process(updated, result.logprobs)
         if stopped:
             self.scheduler.finish_requests([r.request_id for r in stopped],
@@ -151,4 +158,11 @@ class EngineCore:
         return outputs
 
     def get_stats(self) -> dict:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "kv_cache_usage": stats.kv_cache_usage,
+                "num_preemptions_total": stats.num_preemptions_total,
+                "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,
+                "num_blocks": self.num_blocks,
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total}

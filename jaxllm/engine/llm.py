@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.engine_core import EngineCore
+from jaxllm.engine.dp_engine import make_engine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = EngineCore(self.engine_args)
+        self.llm_engine = make_engine(self.engine_args)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

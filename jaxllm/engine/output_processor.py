@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxllm.core.request import Request
+from jaxllm.core.request import Request, RequestStatus
 from jaxllm.detok.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -16,7 +16,7 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 @dataclass
 class ChildState:
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer (dummy presets)
     logprobs: list | None  # SampleLogprobs when asked
     cumulative_logprob: float | None
     completion: CompletionOutput | None = None
@@ -48,7 +48,8 @@ class OutputProcessor:
             params = child.sampling_params
             parent.children[child.request_id] = ChildState(
                 index=index,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                detokenizer=(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                             if self.tokenizer is not None else None),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.parent_of[child.request_id] = parent_id
@@ -69,15 +70,20 @@ class OutputProcessor:
             parent = self.parents[parent_id]
             child = parent.children[request.request_id]
             new_token = request.output_token_ids[-1]
-            stop_str = child.detokenizer.update([new_token])
+            # EOS or a stop token id ended it: the detokenizer leaves that token's text out.
+            stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+            stop_str = (child.detokenizer.update([new_token], stop_terminated)
+                        if child.detokenizer else None)
             if stop_str is not None and not request.is_finished():
                 request.stop_reason = stop_str
                 stopped_by_string.append(request)
             if request.request_id in logprobs:
                 self._append_logprobs(child, new_token, logprobs[request.request_id])
             finish_reason = "stop" if stop_str is not None else request.get_finished_reason()
+            text = (child.detokenizer.get_next_output_text(finish_reason is not None, delta=False)
+                    if child.detokenizer else "")
             child.completion = CompletionOutput(
-                index=child.index, text=child.detokenizer.output_text,
+                index=child.index, text=text,
                 token_ids=list(request.output_token_ids),
                 cumulative_logprob=child.cumulative_logprob,
                 logprobs=child.logprobs, finish_reason=finish_reason,
@@ -90,9 +96,10 @@ class OutputProcessor:
 
     def _append_logprobs(self, child: ChildState, token: int, entry) -> None:
         sampled_logprob, sampled_rank, top_ids, top_logprobs = entry
-        step = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
+        step = {tid: Logprob(lp, rank + 1, decode([tid]))
                 for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs))}
-        step[token] = Logprob(sampled_logprob, sampled_rank, self.tokenizer.decode([token]))
+        step[token] = Logprob(sampled_logprob, sampled_rank, decode([token]))
         child.logprobs.append(step)
         child.cumulative_logprob += sampled_logprob
 

@@ -8,6 +8,7 @@ sequences have q_len 0 and kv_len 0.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import jax
@@ -39,32 +40,37 @@ class SeqChunk:
 
 def build_step_batch(chunks: list[SeqChunk], num_tokens_padded: int, num_seqs_padded: int,
                      max_blocks_per_seq: int, block_size: int) -> StepBatch:
-    """Flattens chunks into numpy arrays of the bucket's shape (host side, no device work)."""
+    """Flattens chunks into numpy arrays of the bucket's shape (host side, no per-token loop:
+    this runs every step, for up to max_num_seqs sequences)."""
     num_seqs = len(chunks)
-    q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
-    num_tokens = int(q_lens.sum())
+    q_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int32, num_seqs)
+    start_pos = np.fromiter((c.start_pos for c in chunks), np.int32, num_seqs)
+    num_blocks = np.fromiter((len(c.block_ids) for c in chunks), np.int32, num_seqs)
+    cu_q_lens = np.zeros(num_seqs_padded + 1, np.int32)
+    np.cumsum(q_lens, out=cu_q_lens[1:num_seqs + 1])
+    num_tokens = int(cu_q_lens[num_seqs])
     if num_tokens > num_tokens_padded or num_seqs > num_seqs_padded:
         raise ValueError(f"{num_tokens} tokens / {num_seqs} seqs exceed the bucket "
                          f"({num_tokens_padded}, {num_seqs_padded}).")
-    token_ids = np.zeros(num_tokens_padded, np.int32)
-    positions = np.zeros(num_tokens_padded, np.int32)
-    slot_mapping = np.full(num_tokens_padded, PAD_SLOT, np.int32)
+    cu_q_lens[num_seqs + 1:] = num_tokens
     block_tables = np.zeros((num_seqs_padded, max_blocks_per_seq), np.int32)
-    cu_q_lens = np.full(num_seqs_padded + 1, num_tokens, np.int32)
-    cu_q_lens[0] = 0
-    np.cumsum(q_lens, out=cu_q_lens[1:num_seqs + 1])
+    # A row-major boolean assignment fills each row's first num_blocks entries in order.
+    block_tables[:num_seqs][np.arange(max_blocks_per_seq) < num_blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(c.block_ids for c in chunks), np.int32, int(num_blocks.sum()))
+    seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)  # [num_tokens]
+    pos = start_pos[seq_of_token] + np.arange(num_tokens, dtype=np.int32) - cu_q_lens[seq_of_token]
+    token_ids = np.zeros(num_tokens_padded, np.int32)
+    token_ids[:num_tokens] = np.fromiter(
+        itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, num_tokens)
+    positions = np.zeros(num_tokens_padded, np.int32)
+    positions[:num_tokens] = pos
+    slot_mapping = np.full(num_tokens_padded, PAD_SLOT, np.int32)
+    slot_mapping[:num_tokens] = (block_tables[seq_of_token, pos // block_size] * block_size
+                                 + pos % block_size)
     kv_lens = np.zeros(num_seqs_padded, np.int32)
+    kv_lens[:num_seqs] = start_pos + q_lens
     logits_indices = np.zeros(num_seqs_padded, np.int32)
-    for i, chunk in enumerate(chunks):
-        start, end = cu_q_lens[i], cu_q_lens[i + 1]
-        pos = np.arange(chunk.start_pos, chunk.start_pos + q_lens[i], dtype=np.int32)
-        blocks = np.asarray(chunk.block_ids, np.int32)
-        token_ids[start:end] = chunk.token_ids
-        positions[start:end] = pos
-        slot_mapping[start:end] = blocks[pos // block_size] * block_size + pos % block_size
-        block_tables[i, :len(blocks)] = blocks
-        kv_lens[i] = chunk.start_pos + q_lens[i]
-        logits_indices[i] = end - 1
+    logits_indices[:num_seqs] = cu_q_lens[1:num_seqs + 1] - 1
     return StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                      block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
                      num_seqs=np.array([num_seqs], np.int32), logits_indices=logits_indices)

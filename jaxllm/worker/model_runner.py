@@ -89,17 +89,20 @@ class ModelRunner:
             [SeqChunk(s.token_ids, s.num_computed_tokens, s.block_ids) for s in scheduled],
             num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq, self.block_size)
 
-        token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
-        token_is_output = np.zeros(num_tokens_padded, bool)
-        reset_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
+        num_seqs, num_tokens = len(scheduled), scheduler_output.num_scheduled_tokens
+        rows = np.fromiter((self._row_for(s.request_id) for s in scheduled), np.int32, num_seqs)
+        num_prompt = np.fromiter((s.num_prompt_tokens for s in scheduled), np.int32, num_seqs)
+        first_chunk = np.fromiter((s.num_computed_tokens == 0 for s in scheduled), bool, num_seqs)
+        q_lens = np.diff(batch.cu_q_lens[:num_seqs + 1])
         seq_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
-        for i, s in enumerate(scheduled):
-            row = seq_rows[i] = self._row_for(s.request_id)
-            start, end = batch.cu_q_lens[i], batch.cu_q_lens[i + 1]
-            token_rows[start:end] = row
-            token_is_output[start:end] = batch.positions[start:end] >= s.num_prompt_tokens
-            if s.num_computed_tokens == 0:
-                reset_rows[i] = row
+        seq_rows[:num_seqs] = rows
+        reset_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
+        reset_rows[:num_seqs] = np.where(first_chunk, rows, self.garbage_row)
+        token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
+        token_rows[:num_tokens] = np.repeat(rows, q_lens)
+        token_is_output = np.zeros(num_tokens_padded, bool)
+        token_is_output[:num_tokens] = (batch.positions[:num_tokens]
+                                        >= np.repeat(num_prompt, q_lens))
         sampling_md = sampler.build_sampling_metadata(
             [s.sampling_params if s.samples else None for s in scheduled],
             output_indices=[s.num_output_tokens for s in scheduled],

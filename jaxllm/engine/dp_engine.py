@@ -1,0 +1,84 @@
+"""Data parallelism: DP engine replicas, each an EngineCore with its own KV pool and scheduler on
+its own [1, TP] row of the mesh, behind one front end with EngineCore's interface.
+
+A new request goes to the replica with the fewest unfinished requests (ties: lowest rank); its
+children (n > 1) stay together, so prefix blocks and seeds behave as on one engine. `step()`
+steps every busy replica in its own thread: each replica's jitted step runs on its own devices
+and JAX releases the GIL while it waits for them, so the replicas' steps overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from jaxllm.config import ParallelConfig
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.engine_core import EngineCore
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+from sharding.mesh import make_mesh, replica_meshes
+
+logger = logging.getLogger("jaxllm")
+
+
+def make_engine(engine_args: EngineArgs, log=logger.info):
+    """An EngineCore, or a DPEngine when data_parallel_size > 1."""
+    if engine_args.data_parallel_size == 1:
+        return EngineCore(engine_args, log)
+    return DPEngine(engine_args, log)
+
+
+class DPEngine:
+    def __init__(self, engine_args: EngineArgs, log=logger.info) -> None:
+        mesh = make_mesh(ParallelConfig(engine_args.tensor_parallel_size,
+                                        engine_args.data_parallel_size,
+                                        engine_args.enable_expert_parallel))
+        replica_args = dataclasses.replace(engine_args, data_parallel_size=1)
+        self.replicas = []
+        for rank, replica_mesh in enumerate(replica_meshes(mesh)):
+            log(f"DP rank {rank}: devices {[d.id for d in replica_mesh.devices.flat]}")
+            self.replicas.append(EngineCore(replica_args, log, mesh=replica_mesh))
+        first = self.replicas[0]
+        self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
+        self.model_name, self.eos_token_ids = first.model_name, first.eos_token_ids
+        self.vocab_size, self.config = first.vocab_size, first.config
+        self._replica_of: dict[str, int] = {}  # unfinished request id -> DP rank
+        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas))
+
+    def _load(self, rank: int) -> int:
+        return sum(1 for r in self._replica_of.values() if r == rank)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, prompt: str | None = None) -> None:
+        if request_id in self._replica_of:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        rank = min(range(len(self.replicas)), key=self._load)
+        self.replicas[rank].add_request(request_id, prompt_token_ids, sampling_params, prompt)
+        self._replica_of[request_id] = rank
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in request_ids:
+            rank = self._replica_of.pop(request_id, None)
+            if rank is not None:
+                self.replicas[rank].abort_request([request_id])
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
+        outputs = [out for outs in self._pool.map(EngineCore.step, busy) for out in outs]
+        for out in outputs:
+            if out.finished:
+                self._replica_of.pop(out.request_id, None)
+        return outputs
+
+    def get_stats(self) -> dict:
+        """Counts summed over the replicas; kv_cache_usage is their mean."""
+        per_replica = [r.get_stats() for r in self.replicas]
+        stats = {k: sum(s[k] for s in per_replica) for k in per_replica[0]}
+        stats["kv_cache_usage"] = stats["kv_cache_usage"] / len(per_replica)
+        stats["dp_num_unfinished"] = [self._load(i) for i in range(len(self.replicas))]
+        return stats
