@@ -1,0 +1,351 @@
+"""GPU check and benchmark of the Pallas kernels: `python -m pallas_kernels.bench [--out DIR]`.
+
+1. Ceilings: HBM copy bandwidth (bytes read + written) and the bf16 matmul rate, measured here.
+2. Correctness on the GPU (interpret mode hides races): random ragged batches, permuted block
+   tables, NaN-poisoned outputs, every tiling that is timed, against the fp32 XLA reference.
+3. Timings, side by side: decode against jax's Pallas paged_attention and the XLA reference;
+   prefill against cuDNN dense causal flash attention and the XLA reference; a mixed batch;
+   the KV write (Pallas vs XLA scatter). Writes results.json under --out, prints a table last.
+Timing: n calls unrolled in one jit, each call's output the next call's input (nothing can be
+hoisted or merged), KV pages rotated so small cases miss L2; per call = (t(11) - t(1)) / 10,
+medians of 5 runs, so dispatch overhead cancels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                   ragged_paged_attention_reference)
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # Llama-3.1-8B
+PAGE = 16
+ROTATE_BYTES = 512 << 20  # rotate KV copies until a timed chain touches this much (L2: 60 MB)
+
+
+def time_chain(call, x, *args, donate=False, reps=5):
+    """Seconds per `x = call(x, i, *args)` (i: the call's index, for rotating inputs)."""
+    def chain(n):
+        nonlocal x
+        def run(x, *args):
+            for i in range(n):
+                x = jax.lax.optimization_barrier(call(x, i, *args))
+            return x
+        fn = jax.jit(run, donate_argnums=(0,) if donate else ())
+        x = jax.block_until_ready(fn(x, *args))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x = jax.block_until_ready(fn(x, *args))
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+    return max(chain(11) - chain(1), 1e-9) / 10
+
+
+def ceilings():
+    x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.bfloat16)  # 2 GiB
+    copy_s = time_chain(lambda x, i: x + 1, x)
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16) / 90.5  # keeps |a| ~ 1
+    mm_s = time_chain(lambda a, i, b: a @ b, a, b)
+    return {"copy_GBps": 2 * x.nbytes / copy_s / 1e9, "matmul_TFLOPs": 2 * 8192 ** 3 / mm_s / 1e12}
+
+
+def random_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size=PAGE,
+                 dtype=jnp.bfloat16, max_seqs=None, num_tokens=None, copies=1):
+    """Device-side random inputs; pages of `copies` disjoint block tables [copies, S, B]."""
+    q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
+    num_seqs = len(q_lens)
+    max_seqs = max_seqs or num_seqs
+    pages = -(-kv_lens // page_size)
+    max_pages = max(int(pages.max()), 1)
+    per_copy = int(pages.sum())
+    num_pages = copies * per_copy + 1
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    perm = np.asarray(jax.random.permutation(kp, np.arange(1, num_pages)))
+    tables = np.zeros((copies, max_seqs, max_pages), np.int32)
+    for c in range(copies):
+        starts = c * per_copy + np.concatenate([[0], np.cumsum(pages)])
+        for s in range(num_seqs):
+            tables[c, s, :pages[s]] = perm[starts[s]:starts[s + 1]]
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1:num_seqs + 1] = np.cumsum(q_lens)
+    cu[num_seqs + 1:] = cu[num_seqs]
+    lens = np.zeros(max_seqs, np.int32)
+    lens[:num_seqs] = kv_lens
+    num_tokens = num_tokens or int(cu[-1])
+    cache = (num_pages, page_size, num_kv_heads, head_dim)
+    return dict(q=jax.random.normal(kq, (num_tokens, num_q_heads, head_dim), dtype),
+                k_cache=jax.random.normal(kk, cache, dtype),
+                v_cache=jax.random.normal(kv, cache, dtype), kv_lens=jnp.asarray(lens),
+                block_tables=jnp.asarray(tables), cu_q_lens=jnp.asarray(cu),
+                num_seqs=jnp.asarray([num_seqs], jnp.int32))
+
+
+def attn_args(b, copy=0):
+    return (b["q"], b["k_cache"], b["v_cache"], b["kv_lens"], b["block_tables"][copy],
+            b["cu_q_lens"], b["num_seqs"])
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def guarded(fn, *args, **kw):
+    """Runs one case; an exception becomes a row, so one failure costs no other result."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        named = " ".join(str(a) for a in args if isinstance(a, (str, int, float)))
+        return {"case": f"{fn.__name__} {named}", "ok": False, "rel_err": float("nan"),
+                "error": repr(e)[-600:]}
+
+
+def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=PAGE, **kw):
+    b = random_batch(key, q_lens, kv_lens, dtype=dtype, page_size=page_size,
+                     max_seqs=len(q_lens) + 3, num_tokens=int(np.sum(q_lens)) + 7, **heads)
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
+    args = attn_args(b)
+    ref = ragged_paged_attention_reference(*[a.astype(jnp.float32) if a.dtype == dtype else a
+                                             for a in args], **ref_kw)
+    out = ragged_paged_attention(*args, _fill_value=float("nan"), **kw)
+    live = int(np.sum(q_lens))
+    out, ref = np.asarray(out[:live], np.float32), np.asarray(ref[:live])
+    err = rel_err(out, ref) if np.isfinite(out).all() else float("nan")
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3
+    return {"case": name, "rel_err": err, "ok": bool(err < tol)}
+
+
+def correctness(decode_tiles, prefill_tiles):
+    rng = np.random.default_rng(0)
+    key = iter(jax.random.split(jax.random.key(42), 64))
+    small = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)
+    results = [
+        guarded(check_case, "9/3/64 mixed", next(key), [1, 0, 37, 1, 200, 1], [300, 0, 37, 1000, 700, 5],
+                   small, sm_scale=0.125),
+        guarded(check_case, "9/3/64 mixed split4", next(key), [1, 0, 37, 1, 200, 1],
+                   [300, 0, 37, 1000, 700, 5], small, sm_scale=0.125, num_kv_splits=4),
+        guarded(check_case, "32/8/128 fp32 P32 window+cap", next(key), [1, 64, 3], [500, 64, 1200], HEADS,
+                   dtype=jnp.float32, page_size=32, sm_scale=0.088, sliding_window=100,
+                   soft_cap=30.0),
+        guarded(check_case, "32/8/128 P64 1x20000 decode", next(key), [1], [20000], HEADS, page_size=64,
+                   sm_scale=0.088),
+    ]
+    ctx = rng.integers(1, 3000, 64)
+    for tiles in decode_tiles:
+        results.append(guarded(check_case, f"decode 64 seqs {tiles}", next(key), [1] * 64, ctx, HEADS,
+                                  sm_scale=0.088, **tiles))
+    for tiles in prefill_tiles:
+        results.append(guarded(check_case, f"prefill 300+700, 1 {tiles}", next(key), [300, 1, 5],
+                                  [1000, 77, 5], HEADS, sm_scale=0.088, **tiles))
+    k_cache, v_cache = (jax.random.normal(next(key), (64, PAGE, 8, 128), jnp.bfloat16)
+                        for _ in range(2))
+    k, v = (jax.random.normal(next(key), (100, 8, 128), jnp.bfloat16) for _ in range(2))
+    slots = jnp.asarray(rng.permutation(np.arange(PAGE, 64 * PAGE))[:100], jnp.int32)
+    got = write_kv_pallas(k_cache, v_cache, k, v, slots)
+    want = write_kv_reference(k_cache, v_cache, k, v, slots)
+    same = all(bool(jnp.array_equal(g, w)) for g, w in zip(got, want))
+    results.append({"case": "write_kv pallas == scatter", "rel_err": 0.0 if same else 1.0,
+                    "ok": same})
+    return results
+
+
+def kv_bytes(kv_lens, heads, itemsize=2):
+    return int(np.sum(kv_lens)) * heads["num_kv_heads"] * heads["head_dim"] * 2 * itemsize
+
+
+def attn_flops(q_lens, kv_lens, heads):
+    """Causal: query i of a sequence sees kv_len - q_len + i + 1 keys; QK and PV, 2 FLOP a MAC."""
+    total = sum(q * (k - q) + q * (q + 1) / 2 for q, k in zip(q_lens, kv_lens))
+    return 4 * heads["num_q_heads"] * heads["head_dim"] * total
+
+
+def ours(tiles):
+    def call(q, i, b):
+        args = attn_args(b, i % b["block_tables"].shape[0])
+        return ragged_paged_attention(q, *args[1:], sm_scale=0.088, **tiles)
+    return call
+
+
+def xla_ref(q, i, b):
+    args = attn_args(b, i % b["block_tables"].shape[0])
+    return ragged_paged_attention_reference(q, *args[1:], sm_scale=0.088)
+
+
+def jax_paged_decode(b):
+    """jax's Pallas paged_attention wants pages [Hkv, N, P, D] and tables without padding rows."""
+    pages = {n: jnp.swapaxes(b[n], 0, 2).swapaxes(1, 2) for n in ("k_cache", "v_cache")}
+    k_splits = math.gcd(16, b["block_tables"].shape[-1])
+
+    def call(q, i, b):
+        table = b["block_tables"][i % b["block_tables"].shape[0]]
+        return jax_paged.paged_attention(q * 0.088, pages["k_cache"], pages["v_cache"], table,
+                                         b["kv_lens"], k_splits=k_splits)
+    return call
+
+
+def decode_case(key, num_seqs, ctx, copy_GBps, tiles, with_peers):
+    nbytes = kv_bytes([ctx] * num_seqs, HEADS)
+    copies = max(1, min(11, -(-ROTATE_BYTES // nbytes)))
+    b = random_batch(key, [1] * num_seqs, [ctx] * num_seqs, copies=copies, **HEADS)
+    row = {"kind": "decode", "seqs": num_seqs, "ctx": ctx, "floor_us": nbytes / copy_GBps / 1e3}
+    impls = {"ours": ours(tiles)}
+    if with_peers and nbytes <= (8 << 30):
+        impls["jax_paged"] = jax_paged_decode(b)
+    if with_peers and num_seqs * ctx <= 64 * 8192:
+        impls["xla"] = xla_ref
+    for name, call in impls.items():
+        try:
+            secs = time_chain(call, b["q"], b)
+            row[f"{name}_us"] = secs * 1e6
+            row[f"{name}_pct_bw"] = 100 * nbytes / secs / 1e9 / copy_GBps
+        except Exception as e:  # a peer's limits must not stop the run
+            row[f"{name}_error"] = repr(e)[:300]
+    return row
+
+
+def prefill_case(key, num_seqs, chunk, ctx, mm_TFLOPs, tiles, with_peers):
+    q_lens, kv_lens = [chunk] * num_seqs, [ctx + chunk] * num_seqs
+    b = random_batch(key, q_lens, kv_lens, **HEADS)
+    flops = attn_flops(q_lens, kv_lens, HEADS)
+    row = {"kind": "prefill", "seqs": num_seqs, "chunk": chunk, "ctx": ctx,
+           "floor_us": flops / mm_TFLOPs / 1e6}
+    impls = {"ours": ours(tiles)}
+    if with_peers:
+        impls["xla"] = xla_ref
+    if with_peers and ctx == 0:
+        q4 = b["q"].reshape(num_seqs, chunk, HEADS["num_q_heads"], HEADS["head_dim"])
+        kv4 = [jax.random.normal(k, (num_seqs, chunk, HEADS["num_kv_heads"], HEADS["head_dim"]),
+                                 jnp.bfloat16) for k in jax.random.split(key, 2)]
+        impls["cudnn"] = (lambda q, i, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=0.088, is_causal=True, implementation="cudnn"), q4, *kv4)
+    for name, call in impls.items():
+        try:
+            call, q, *args = call if isinstance(call, tuple) else (call, b["q"], b)
+            secs = time_chain(call, q, *args)
+            row[f"{name}_us"] = secs * 1e6
+            row[f"{name}_pct_mm"] = 100 * flops / secs / 1e12 / mm_TFLOPs
+        except Exception as e:
+            row[f"{name}_error"] = repr(e)[:300]
+    return row
+
+
+def mixed_case(key, ceil, tiles):
+    q_lens, kv_lens = [1] * 64 + [512], [2048] * 64 + [2560]
+    b = random_batch(key, q_lens, kv_lens, max_seqs=72, num_tokens=640, **HEADS)
+    nbytes, flops = kv_bytes(kv_lens, HEADS), attn_flops(q_lens, kv_lens, HEADS)
+    floor = max(nbytes / ceil["copy_GBps"] / 1e9, flops / ceil["matmul_TFLOPs"] / 1e12)
+    row = {"kind": "mixed 64x2048 decode + 512 over 2048", "floor_us": floor * 1e6}
+    for name, call in {"ours": ours(tiles), "xla": xla_ref}.items():
+        secs = time_chain(call, b["q"], b)
+        row[f"{name}_us"], row[f"{name}_pct_floor"] = secs * 1e6, 100 * floor / secs
+    return row
+
+
+def kv_write_case(key, num_tokens, copy_GBps):
+    shape = (16384, PAGE, 8, 128)  # 512 MiB per cache
+    k_cache, v_cache = (jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(key))
+    kv = jax.random.normal(key, (num_tokens, 8, 128), jnp.bfloat16)
+    slots = jax.random.permutation(key, shape[0] * PAGE)[:11 * num_tokens].reshape(11, -1)
+    nbytes = 2 * 2 * kv.nbytes  # read k, v; write them into the caches
+    row = {"kind": "kv_write", "tokens": num_tokens, "floor_us": nbytes / copy_GBps / 1e3}
+    for name, fn in {"pallas": write_kv_pallas, "xla": write_kv_reference}.items():
+        def call(caches, i, kv, fn=fn):  # in place on the donated caches
+            return fn(*caches, kv, kv, slots[i].astype(jnp.int32))
+        fresh = (jnp.copy(k_cache), jnp.copy(v_cache))
+        row[f"{name}_us"] = time_chain(call, fresh, kv, donate=True) * 1e6
+    return row
+
+
+def sweep(run_case, candidates):
+    """Times each tiling on one case; returns the fastest and all rows."""
+    rows = [dict(run_case(t), tiles=t) for t in candidates]
+    best = min(rows, key=lambda r: r.get("ours_us", float("inf")))
+    return best["tiles"], rows
+
+
+DECODE_TILES = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=64, num_warps=4, num_stages=3),
+                dict(block_k=128, num_warps=4, num_stages=2), dict(block_k=128, num_warps=8, num_stages=3),
+                dict(block_k=32, num_warps=4, num_stages=4)]
+PREFILL_TILES = [dict(block_q=16, block_k=64, num_warps=4, num_stages=2),
+                 dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
+                 dict(block_q=32, block_k=64, num_warps=8, num_stages=2),
+                 dict(block_q=32, block_k=64, num_warps=8, num_stages=3),
+                 dict(block_q=32, block_k=128, num_warps=8, num_stages=2),
+                 dict(block_q=32, block_k=32, num_warps=4, num_stages=3)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    log = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    save = lambda: open(f"{args.out}/results.json", "w").write(json.dumps(log, indent=1))
+    log["ceilings"] = ceil = ceilings()
+    print("ceilings", ceil, flush=True)
+    log["correctness"] = correctness(DECODE_TILES, PREFILL_TILES)
+    for r in log["correctness"]:
+        print(f"check {r['case']:<60} rel_err {r['rel_err']:.2e} {'ok' if r['ok'] else 'FAIL'}",
+              r.get("error", ""))
+    save()
+    keys = iter(jax.random.split(jax.random.key(7), 256))
+    key = next(keys)
+    dec_tiles, log["decode_sweep"] = sweep(
+        lambda t: decode_case(key, 64, 2048, ceil["copy_GBps"], t, False), DECODE_TILES)
+    pre_tiles, log["prefill_sweep"] = sweep(
+        lambda t: prefill_case(key, 1, 2048, 0, ceil["matmul_TFLOPs"], t, False), PREFILL_TILES)
+    save()
+    rows = log["rows"] = []
+    for num_seqs in (1, 8, 64, 256):
+        for ctx in (512, 2048, 8192, 32768):
+            rows.append(guarded(decode_case, next(keys), num_seqs, ctx, ceil["copy_GBps"], dec_tiles, True))
+            print(rows[-1], flush=True)
+            save()
+    for num_seqs, chunk, ctx in [(1, 512, 0), (1, 512, 2048), (1, 512, 8192), (1, 2048, 0),
+                                 (1, 2048, 2048), (1, 2048, 8192), (4, 2048, 0)]:
+        rows.append(guarded(prefill_case, next(keys), num_seqs, chunk, ctx, ceil["matmul_TFLOPs"],
+                                 pre_tiles, True))
+        print(rows[-1], flush=True)
+        save()
+    rows.append(guarded(mixed_case, next(keys), ceil, pre_tiles))
+    for num_tokens in (64, 2048):
+        rows.append(guarded(kv_write_case, next(keys), num_tokens, ceil["copy_GBps"]))
+    save()
+    print_table(log, dec_tiles, pre_tiles)
+
+
+def print_table(log, dec_tiles, pre_tiles):
+    print(f"\n{log['device']} jax {log['jax']}  copy {log['ceilings']['copy_GBps']:.0f} GB/s  "
+          f"bf16 mm {log['ceilings']['matmul_TFLOPs']:.0f} TFLOP/s")
+    print("decode sweep (64x2048):", [(r["tiles"], round(r.get("ours_us", -1), 1))
+                                      for r in log["decode_sweep"]])
+    print("prefill sweep (2048):", [(r["tiles"], round(r.get("ours_us", -1), 1))
+                                    for r in log["prefill_sweep"]])
+    print("chosen", dec_tiles, pre_tiles)
+    for r in log["rows"]:
+        cells = [f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                 if not k.endswith("error")]
+        errs = [k for k in r if k.endswith("error")]
+        print(" ".join(cells), ("ERR " + ",".join(errs)) if errs else "")
+    bad = [c["case"] for c in log["correctness"] if not c["ok"]]
+    print("correctness:", "all ok" if not bad else f"FAILED {bad}")
+
+
+if __name__ == "__main__":
+    main()
