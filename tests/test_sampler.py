@@ -126,6 +126,25 @@ def test_penalties_equal_numpy_reference():
     np.testing.assert_array_equal(np.asarray(out.token_ids), want.argmax(-1))
 
 
+# -- metadata builder -----------------------------------------------------------------------------
+
+def test_builder_pads_greedy_rows_and_sets_flags():
+    params = [SamplingParams(temperature=0.5, top_k=3, seed=2**40 + 5, logprobs=2), None,
+              SamplingParams(temperature=0, top_p=0.5, repetition_penalty=1.1)]
+    md = build_sampling_metadata(params, [4, 0, 1], [2**40 + 5, None, 9], 5)
+    assert md.temperature.tolist() == [0.5, 0, 0, 0, 0]
+    assert md.top_k.tolist() == [3, 0, 0, 0, 0] and md.top_k.dtype == np.int32
+    assert md.top_p.tolist() == [1, 1, 0.5, 1, 1]
+    assert md.repetition_penalty.tolist() == pytest.approx([1, 1, 1.1, 1, 1])
+    assert md.seeds.tolist() == [5, 0, 9, 0, 0] and md.output_index.tolist() == [4, 0, 1, 0, 0]
+    assert md.any_top_k_top_p and md.any_penalties and md.any_logprobs
+    # top-k/top-p on a greedy row needs no sort.
+    md = build_sampling_metadata([SamplingParams(temperature=0, top_k=3)], [0], [0], 2)
+    assert not (md.any_top_k_top_p or md.any_penalties or md.any_logprobs)
+    with pytest.raises(ValueError, match="exceed the padded batch of 1"):
+        build_sampling_metadata([None, None], [0, 0], [0, 0], 1)
+
+
 # -- greedy, min_tokens ---------------------------------------------------------------------------
 
 def test_greedy_is_argmax_and_padding_rows_are_greedy():
