@@ -24,14 +24,16 @@ PLAIN = ["Hello, my name is", "  leading spaces\tand tabs\n\nnewlines 1234567 <|
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(default_model_dir):
+def hf_gguf(default_model_dir, tmp_path_factory):
+    """HF's own GGUF path, from a directory holding only the GGUF (so nothing of ours leaks in)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf_only = tmp_path_factory.mktemp("gguf_only")
     gguf = os.path.basename(default_gguf_path())
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, gguf_file=gguf,
-                                                 dtype=torch.float32)
+    os.symlink(default_gguf_path(), gguf_only / gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_only, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf_only, gguf_file=gguf, dtype=torch.float32)
     return tokenizer, model
 
 
