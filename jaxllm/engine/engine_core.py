@@ -14,6 +14,7 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.output_processor import OutputProcessor, child_request_id
 from jaxllm.outputs import RequestOutput
+from jaxllm.sample.metadata import check_min_tokens_stop_ids
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import kv_cache
 from jaxllm.worker.model_runner import ModelRunner
@@ -109,6 +110,7 @@ class EngineCore:
             params = copy.copy(sampling_params)
             params.n = 1
             params.all_stop_token_ids = set() if params.ignore_eos else set(self.eos_token_ids)
+            check_min_tokens_stop_ids(params)
             # Every request gets a concrete seed: its samples then depend only on (seed, step).
             params.seed = (int(self._seed_rng.integers(0, 2**31 - 1)) if params.seed is None
                            else (params.seed + index) & 0x7FFFFFFF)
