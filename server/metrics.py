@@ -1,8 +1,8 @@
 """Prometheus text exposition of the engine's stats, with vLLM's metric names under `jaxllm:`.
 
 Written by hand (the format is a few lines per metric) instead of depending on prometheus_client.
-Gauges and counters come from the engine's own stats; the latency histograms are observed by
-the server, which sees each request's first token and its end.
+Gauges and counters come from the engine's stats; the latency histograms are observed by the
+server, which sees each request's first output and its end.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import bisect
 import time
 
 from starlette.responses import Response
+
+from jaxllm.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -33,6 +35,8 @@ _ENGINE_METRICS = (
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Number of prefill tokens processed."),
     ("generation_tokens_total", "generation_tokens_total", "counter",
      "Number of generation tokens processed."),
+    ("num_requests_aborted_total", "num_aborted_total", "counter",
+     "Number of requests aborted before they finished (client disconnects included)."),
 )
 
 
@@ -74,28 +78,35 @@ class ServerMetrics:
     def render(self, engine_stats: dict) -> Response:
         lines = []
         for name, key, kind, help_text in _ENGINE_METRICS:
-            lines += [f"# HELP jaxllm:{name} {help_text}", f"# TYPE jaxllm:{name} {kind}",
-                      f"jaxllm:{name}{{{self.labels}}} {float(engine_stats.get(key, 0))!r}"]
+            lines += _sample(name, kind, help_text, self.labels, engine_stats[key])
         for histogram in (self.ttft, self.tpot, self.e2e):
             lines += histogram.render(self.labels)
         return Response("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
 
 
+def _sample(name: str, kind: str, help_text: str, labels: str, value: float) -> list[str]:
+    return [f"# HELP jaxllm:{name} {help_text}", f"# TYPE jaxllm:{name} {kind}",
+            f"jaxllm:{name}{{{labels}}} {float(value)!r}"]
+
+
 class RequestTimer:
-    """Times one HTTP request's generation: first output, then its end (finished requests only)."""
+    """Follows one engine request: TTFT at its first output, then TPOT and end-to-end latency
+    once it finishes (aborted requests record no latencies, as in vLLM)."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.start = time.perf_counter()
         self.first_token_time: float | None = None
 
-    def on_output(self) -> None:
+    def on_output(self, output: RequestOutput) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
             self.metrics.ttft.observe(self.first_token_time - self.start)
+        if output.finished:
+            self._on_finished(max(len(c.token_ids) for c in output.outputs))
 
-    def on_finished(self, num_generation_tokens: int) -> None:
+    def _on_finished(self, num_tokens_per_sequence: int) -> None:
         end = time.perf_counter()
         self.metrics.e2e.observe(end - self.start)
-        if self.first_token_time is not None and num_generation_tokens > 1:
-            self.metrics.tpot.observe((end - self.first_token_time) / (num_generation_tokens - 1))
+        if num_tokens_per_sequence > 1:
+            self.metrics.tpot.observe((end - self.first_token_time) / (num_tokens_per_sequence - 1))

@@ -117,9 +117,7 @@ class OpenAIServing:
 async def _timed(outputs: AsyncIterator[tuple[int, RequestOutput]], timers: list[RequestTimer]):
     try:
         async for index, output in outputs:
-            timers[index].on_output()
-            if output.finished:
-                timers[index].on_finished(max(len(o.token_ids) for o in output.outputs))
+            timers[index].on_output(output)
             yield index, output
     finally:
         await outputs.aclose()
@@ -204,7 +202,8 @@ class Delta:
 class DeltaTracker:
     """Turns cumulative CompletionOutputs into per-choice deltas for streaming."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_logprobs: bool) -> None:
+        self.with_logprobs = with_logprobs  # then a token without text still makes a delta
         self.text_len: dict[int, int] = {}
         self.num_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
@@ -217,7 +216,8 @@ class DeltaTracker:
         start_text, start_token = self.text_len.get(index, 0), self.num_tokens.get(index, 0)
         text = completion.text[start_text:]
         num_new = len(completion.token_ids) - start_token
-        if not text and num_new <= 0 and completion.finish_reason is None:
+        if not text and completion.finish_reason is None and (
+                num_new <= 0 or not self.with_logprobs):
             return None
         self.text_len[index] = max(start_text, len(completion.text))
         self.num_tokens[index] = len(completion.token_ids)

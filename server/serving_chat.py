@@ -124,7 +124,7 @@ class ChatServing:
             return sse(_ENCODER, ChatCompletionChunk(request_id, model, choices, usage_info,
                                                      created=created))
 
-        tracker, final = DeltaTracker(), None
+        tracker, final = DeltaTracker(num_logprobs is not None), None
         try:
             for index in range(request.n):
                 yield chunk([ChatStreamChoice(index, DeltaMessage(role="assistant", content=""))])

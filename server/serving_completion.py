@@ -104,7 +104,7 @@ class CompletionServing:
 
     async def _stream(self, request: CompletionRequest, prompts, outputs: AsyncIterator,
                       request_id: str, model: str, include_usage: bool):
-        tracker, finals, offsets = DeltaTracker(), {}, {}
+        tracker, finals, offsets = DeltaTracker(request.logprobs is not None), {}, {}
         created = int(time.time())
         try:
             async for prompt_index, output in outputs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 from collections import deque
@@ -60,8 +59,8 @@ class AsyncLLM:
         self._wakeup = threading.Condition()
         self._inbox: deque[_AddCommand | str] = deque()  # adds, and request ids to abort
         self._streams: dict[str, _Stream] = {}  # owned by the loop thread
-        self._stats: dict = _as_dict(engine_core.get_stats())
         self._num_aborted = 0  # requests aborted while still running (client gone, or abort())
+        self._stats: dict = {**engine_core.get_stats(), "num_aborted_total": 0}
         self._error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run_loop, name="jaxllm-engine", daemon=True)
@@ -139,7 +138,7 @@ class AsyncLLM:
                 self._apply(commands)
                 if self.core.has_unfinished_requests():
                     self._dispatch(self.core.step())
-                self._stats = {**_as_dict(self.core.get_stats()),
+                self._stats = {**self.core.get_stats(),
                                "num_aborted_total": self._num_aborted}
         except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("Engine loop crashed")
@@ -191,8 +190,3 @@ class AsyncLLM:
                     command.accepted.set_exception(
                         EngineDeadError(f"The engine loop stopped: {error!r}"))
             self._inbox.clear()
-
-
-def _as_dict(stats) -> dict:
-    # EngineCore.get_stats() is specified as a dict; the scheduler's stats dataclass also works.
-    return stats if isinstance(stats, dict) else dataclasses.asdict(stats)

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible server as users meet it: a real `python -m server` process on loopback,
+driven by the official openai client (and raw httpx where the client hides the wire)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from server.testing import RemoteServer
+
+API_KEY = "test-key-5e3a"
+SERVER_ARGS = ["--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+               "--num-gpu-blocks-override", "64", "--block-size", "8",
+               "--served-model-name", "tiny", "--max-queue-len", "256"]
+ENGINE_KWARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                     num_gpu_blocks_override=64, block_size=8)
+_WORDS = ("fox jumps over the lazy dog paged attention keys values blocks tokens hello world "
+          "compiles numerical programs kernels").split()
+
+
+def word_prompts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 9))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("jit"))
+    remote = RemoteServer(tiny_llama_dir, SERVER_ARGS + ["--compilation-cache-dir", cache],
+                          api_key=API_KEY)
+    yield remote
+    remote.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def wait_idle(server: RemoteServer, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if (metrics["jaxllm:num_requests_running"] == 0
+                and metrics["jaxllm:num_requests_waiting"] == 0
+                and metrics["jaxllm:kv_cache_usage_perc"] == 0):
+            return metrics
+        time.sleep(0.1)
+    raise AssertionError(f"server not idle after {timeout} s: {server.metrics()}")
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_stream_matches_non_stream(client):
+    prompt = "the lazy dog compiles"
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completion_n_logprobs_and_token_prompts(client):
+    response = client.completions.create(model="tiny", prompt=[[5, 17, 33, 40], [9, 12]],
+                                         n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == list(range(6))
+    assert response.usage.completion_tokens == 36
+    for choice in response.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+        assert all(v <= 0 for v in lp.token_logprobs)
+        for top in lp.top_logprobs:
+            assert 1 <= len(top) <= 3 and all(v <= 0 for v in top.values())
+    # Seeded sampling repeats itself.
+    again = client.completions.create(model="tiny", prompt=[[5, 17, 33, 40], [9, 12]], n=3,
+                                      max_tokens=6, temperature=1.0, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in response.choices]
+
+
+def test_completion_stop_string_and_echo(client):
+    prompt = "hello world kernels"
+    text = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), f"need a visible stop string in {text!r}"
+    expected = text[:text.index(stop)]
+    for stream in (False, True):
+        result = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                           temperature=0, stop=[stop], stream=stream)
+        if stream:
+            chunks = [c.choices[0] for c in result if c.choices]
+            got, finish = "".join(c.text for c in chunks), chunks[-1].finish_reason
+        else:
+            got, finish = result.choices[0].text, result.choices[0].finish_reason
+        assert (got, finish) == (expected, "stop")
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                       echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == prompt + text
+
+
+def test_chat_matches_completion_of_template(server, client):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hello world"}]
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    reference = client.completions.create(model="tiny", prompt=tokens, max_tokens=10,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model="tiny", messages=messages,
+                                          max_completion_tokens=10, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True})
+    message = chat.choices[0].message
+    assert message.role == "assistant" and message.content == reference.choices[0].text
+    assert chat.usage.prompt_tokens == len(tokens) and chat.usage.completion_tokens == 10
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 10
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    # Greedy: the chosen token is the top-1 alternative.
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5) for t in content)
+
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True, n=2,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    for index in range(2):
+        deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(d.delta.content or "" for d in deltas) == message.content
+        assert deltas[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_64_concurrent_streams_match_offline_greedy(server, tiny_llama_dir):
+    from jaxllm import LLM, SamplingParams
+
+    prompts = word_prompts(0, 64)
+    max_tokens = 8
+    llm = LLM(tiny_llama_dir, enforce_eager=True, compilation_cache_dir=None, **ENGINE_KWARGS)
+    offline = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)]
+    del llm
+
+    async def stream_one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0,
+                                                 max_tokens=max_tokens, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all() -> list[str]:
+        client = server.async_client()
+        return await asyncio.wait_for(
+            asyncio.gather(*(stream_one(client, p) for p in prompts)), timeout=300)
+
+    assert asyncio.run(run_all()) == offline
+    metrics = wait_idle(server)
+    assert metrics["jaxllm:e2e_request_latency_seconds_count"] >= 64
+    assert metrics["jaxllm:time_to_first_token_seconds_count"] >= 64
+    assert metrics["jaxllm:generation_tokens_total"] >= 64 * max_tokens
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    idle = wait_idle(server)
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 110,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body,
+                         headers=server.headers) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    busy = server.metrics()  # still connected: ~110 tokens to go
+                    break  # leaving iter_lines closes the connection
+    assert busy["jaxllm:num_requests_running"] == 1
+    assert busy["jaxllm:kv_cache_usage_perc"] > 0
+    assert busy["jaxllm:num_free_blocks"] < idle["jaxllm:num_free_blocks"]
+    freed = wait_idle(server, timeout=10)
+    assert freed["jaxllm:num_free_blocks"] == idle["jaxllm:num_free_blocks"]
+    # ... because the engine aborted the request (an abort after the end is not counted).
+    aborted = "jaxllm:num_requests_aborted_total"
+    assert freed[aborted] == idle[aborted] + 1
+
+
+def test_auth(server):
+    url = server.url + "/v1/models"
+    assert httpx.get(url).status_code == 401
+    wrong = httpx.get(url, headers={"Authorization": "Bearer wrong"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401
+    assert httpx.get(url, headers=server.headers).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope",
+                      max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # not under /v1
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "JSON"),
+    (b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "n": 0}', 400, "n must be"),
+    (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
+    (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),
+    (b'{"prompt": "hi", "max_tokens": 1000}', 400, "maximum context length is 128"),
+    (b'{"prompt": [1, "a"]}', 400, "prompt"),
+    (b'{"prompt": [999999]}', 400, "999999"),
+    (b'{"prompt": "hi", "model": "gpt-4"}', 404, "gpt-4"),
+])
+def test_bad_completion_requests(server, body, status, needle):
+    response = httpx.post(server.url + "/v1/completions", content=body, headers=server.headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] and error["code"] == status and error["type"]
+
+
+def test_prompt_too_long_names_numbers(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[7] * 120, max_tokens=16)
+    message = info.value.body["message"]
+    assert "128" in message and "136" in message and "120" in message and "16" in message
