@@ -1,0 +1,150 @@
+"""Partition rules: every param path and the KV cache -> a PartitionSpec on the ("data", "tensor")
+mesh, and the ShardingPlan an engine uses to place weights, allocate its KV cache and wrap its step.
+
+Megatron layout over "tensor": q/k/v and gate/up are split by output columns (whole heads), wo and
+down by input rows, so each layer needs one all-reduce after attention and one after the MLP
+(GSPMD inserts them). Embedding and LM head are vocab-parallel. Where KV heads < TP, every device
+still needs its own KV head: wk/wv are loaded replicated, then their heads are repeated TP/KV
+times (`expand_kv_heads`) so that each device holds the one head its query heads use, and the KV
+cache gets TP heads (vLLM replicates the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sharding.mesh import DATA, TENSOR
+
+T = TENSOR
+_COLUMN = ("wq", "bq", "w_gate", "w_up", "shared_gate", "shared_up")  # output dim split
+_ROW = ("wo", "w_down", "shared_down")  # input dim split
+_KV = ("wk", "bk", "wv", "bv")
+_EXPERTS = ("experts_gate", "experts_up", "experts_down")  # [E, H, I] / [E, I, H]
+
+
+def _layer_spec(name: str, ndim: int, kv_sharded: bool, expert_parallel: bool) -> P:
+    if name in _COLUMN or (name in _KV and kv_sharded):
+        return P(*([None] * (ndim - 1)), T)
+    if name in _ROW:
+        return P(T, None)
+    if name in _EXPERTS:
+        if expert_parallel:
+            return P((DATA, T), None, None)  # whole experts per device
+        return P(None, T, None) if name == "experts_down" else P(None, None, T)
+    return P()  # norms, bo, router, shared_expert_gate; wk/wv when KV heads < TP
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    mesh: Mesh
+    args: object  # ModelArgs of the checkpoint (before expand_kv_heads)
+    expert_parallel: bool = False
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[T]
+
+    @property
+    def kv_sharded(self) -> bool:
+        return self.args.num_kv_heads >= self.tp
+
+    @property
+    def model_args(self):
+        """The args the sharded step runs with: KV heads repeated up to TP, the EP MoE kind."""
+        args = self.args
+        if not self.kv_sharded:
+            args = dataclasses.replace(args, num_kv_heads=self.tp)
+        if self.expert_parallel and args.num_experts:
+            args = dataclasses.replace(args, mlp_kind="moe_ep")
+        return args
+
+    # -- params ------------------------------------------------------------------------------
+    def spec(self, path: str, ndim: int | None = None) -> P:
+        """path: "embed", "lm_head", "final_norm" or "layers.<i>.<name>" (loader paths)."""
+        if path == "embed":
+            return P(T, None)
+        if path == "lm_head":
+            return P(None, T)
+        if not path.startswith("layers."):
+            return P()
+        name = path.split(".")[2]
+        if ndim is None:
+            ndim = 1 if name.startswith("b") or name.endswith("norm") else (
+                3 if name in _EXPERTS else 2)
+        return _layer_spec(name, ndim, self.kv_sharded, self.expert_parallel)
+
+    def param_sharding(self, path: str, shape: tuple[int, ...] | None = None) -> NamedSharding:
+        """The loader's placement hook: each device receives only its own shard of `path`."""
+        return NamedSharding(self.mesh, self.spec(path, None if shape is None else len(shape)))
+
+    def shard_params(self, params: dict) -> dict:
+        """Places (or re-places) a params pytree per the rules, repeating KV heads if needed."""
+        out = {k: jax.device_put(v, self.param_sharding(k, v.shape))
+               for k, v in params.items() if k != "layers"}
+        out["layers"] = [self._shard_layer(i, layer) for i, layer in enumerate(params["layers"])]
+        return out
+
+    def _shard_layer(self, index: int, layer: dict) -> dict:
+        placed = {}
+        for name, value in layer.items():
+            sharding = self.param_sharding(f"layers.{index}.{name}", value.shape)
+            if name in _KV and not self.kv_sharded:
+                column = NamedSharding(self.mesh, P(*([None] * (value.ndim - 1)), T))
+                placed[name] = _expand(value, self.args.num_kv_heads, self.tp, column)
+            else:
+                placed[name] = jax.device_put(value, sharding)
+        return placed
+
+    # -- KV cache and step ---------------------------------------------------------------------
+    @property
+    def kv_cache_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(None, None, T, None))  # [N, P, Hkv, D] by KV head
+
+    def model_fn(self, forward: Callable, attn: Callable, write_kv: Callable) -> Callable:
+        """forward bound to the sharded args, with attention and KV write run per device."""
+        mesh, args = self.mesh, self.model_args
+        attn_sharded, write_sharded = shard_attention(attn, write_kv, mesh)
+
+        def model_fn(params, kv_caches, batch):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # MoE reads the mesh
+                return forward(params, kv_caches, batch, args=args, attn=attn_sharded,
+                               write_kv=write_sharded)
+        return model_fn
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _expand(w: jax.Array, num_kv_heads: int, tp: int, sharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(expand_kv_heads(w, num_kv_heads, tp), sharding)
+
+
+def expand_kv_heads(w: jax.Array, num_kv_heads: int, tp: int) -> jax.Array:
+    """[..., Hkv * D] -> [..., TP * D]: head j of the result is head j // (TP / Hkv)."""
+    head_dim = w.shape[-1] // num_kv_heads
+    heads = w.reshape(*w.shape[:-1], num_kv_heads, head_dim)
+    return jnp.repeat(heads, tp // num_kv_heads, axis=-2).reshape(*w.shape[:-1], tp * head_dim)
+
+
+def shard_attention(attn: Callable, write_kv: Callable, mesh: Mesh) -> tuple[Callable, Callable]:
+    """Attention and KV write per device on its own heads (the Pallas kernel cannot be
+    auto-partitioned; for the XLA path this also keeps the page gathers local)."""
+    heads, cache, rep = P(None, T, None), P(None, None, T, None), P()
+
+    def attn_sharded(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **kw):
+        local = jax.shard_map(partial(attn, **kw), mesh=mesh,
+                              in_specs=(heads, cache, cache, rep, rep, rep, rep),
+                              out_specs=heads, check_vma=False)
+        return local(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+
+    def write_sharded(k_cache, v_cache, k, v, slot_mapping):
+        local = jax.shard_map(write_kv, mesh=mesh, in_specs=(cache, cache, heads, heads, rep),
+                              out_specs=(cache, cache), check_vma=False)
+        return local(k_cache, v_cache, k, v, slot_mapping)
+
+    return attn_sharded, write_sharded

@@ -1,0 +1,154 @@
+"""Sharding: mesh errors, partition rules, and greedy outputs on 8 simulated CPU devices.
+
+The multi-device runs need XLA_FLAGS before jax starts, so they run in a child process (this file
+run as a script); the rest of the suite keeps its single device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import _randomize
+
+NUM_DEVICES = 8
+# Heads 8, KV heads 2: TP=4 and TP=8 replicate KV heads; 8 experts split whole with EP=8.
+TINY_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=96,
+                hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=16, intermediate_size=40, moe_intermediate_size=24, num_experts=8,
+                num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                tie_word_embeddings=False)
+# (name, engine kwargs) per model; the first of each is the single-device reference
+LLAMA_RUNS = [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
+              ("tp4", dict(tensor_parallel_size=4)), ("dp2", dict(data_parallel_size=2)),
+              ("tp2xdp2", dict(tensor_parallel_size=2, data_parallel_size=2))]
+MOE_RUNS = [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
+            ("ep4", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
+            ("ep8", dict(tensor_parallel_size=8, enable_expert_parallel=True)),
+            ("tp2xdp2_ep", dict(tensor_parallel_size=2, data_parallel_size=2,
+                                enable_expert_parallel=True))]
+
+
+def _save_tiny_moe(out_dir: str) -> str:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_MOE)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, 7)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def _generate_all(model_dir: str, runs, vocab: int) -> dict[str, list[list[int]]]:
+    from jaxllm import LLM, SamplingParams
+
+    prompts = [np.random.default_rng(i).integers(3, vocab, size=n).tolist()
+               for i, n in enumerate([5, 17, 9, 30, 2])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results = {}
+    for name, kwargs in runs:
+        llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=4,
+                  max_num_batched_tokens=16, num_gpu_blocks_override=48, block_size=8,
+                  enforce_eager=True, compilation_cache_dir=None, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[name] = [list(o.outputs[0].token_ids) for o in outs]
+    return results
+
+
+def _child_main(llama_dir: str, moe_dir: str) -> None:
+    import jax
+
+    assert len(jax.devices()) == NUM_DEVICES, jax.devices()
+    print(json.dumps({"llama": _generate_all(llama_dir, LLAMA_RUNS, 384),
+                      "moe": _generate_all(moe_dir, MOE_RUNS, 96)}))
+
+
+def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_path):
+    moe_dir = _save_tiny_moe(str(tmp_path / "moe"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
+    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, moe_dir], env=env,
+                          capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for model, runs in results.items():
+        reference = runs["tp1"]
+        assert all(len(tokens) == 8 for tokens in reference)
+        for name, outputs in runs.items():
+            assert outputs == reference, f"{model} {name}: {outputs} != {reference}"
+
+
+def test_mesh_errors_name_the_numbers():
+    from jaxllm.config import ParallelConfig
+    from jaxllm.models import ModelArgs
+    from sharding.mesh import make_mesh, validate_model_parallelism
+
+    with pytest.raises(ValueError, match=r"World size \(4 .*available devices \(1\)"):
+        make_mesh(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
+    cfg = dict(TINY_MOE)
+    args = ModelArgs.from_hf_config(cfg)
+    with pytest.raises(ValueError, match=r"attention heads \(8\).*tensor parallel size \(3\)"):
+        validate_model_parallelism(args, ParallelConfig(tensor_parallel_size=3))
+    three_kv = ModelArgs.from_hf_config(dict(cfg, num_attention_heads=12, num_key_value_heads=3))
+    with pytest.raises(ValueError, match=r"key-value heads \(3\).*tensor parallel size \(4\)"):
+        validate_model_parallelism(three_kv, ParallelConfig(tensor_parallel_size=4))
+    odd_experts = ModelArgs.from_hf_config(dict(cfg, num_experts=6, moe_intermediate_size=32))
+    with pytest.raises(ValueError, match=r"experts \(6\).*expert parallel size \(4\)"):
+        validate_model_parallelism(odd_experts, ParallelConfig(4, 1, True))
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(24\).*\(16\)"):
+        validate_model_parallelism(ModelArgs.from_hf_config(dict(cfg, num_attention_heads=16,
+                                                                 num_key_value_heads=16,
+                                                                 mlp_only_layers=[])),
+                                   ParallelConfig(tensor_parallel_size=16))
+
+
+def test_ep_with_one_device_warns(caplog):
+    from jaxllm.config import ParallelConfig
+    from sharding.mesh import make_mesh
+
+    with caplog.at_level("WARNING"):
+        mesh = make_mesh(ParallelConfig(enable_expert_parallel=True))
+    assert dict(mesh.shape) == {"data": 1, "tensor": 1}
+    assert "expert parallelism has no effect" in caplog.text
+
+
+def test_rules_cover_every_param_and_expand_kv_heads():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.config import ParallelConfig
+    from jaxllm.loader.hf_names import flatten_paths
+    from jaxllm.models import ModelArgs, param_shapes
+    from sharding.mesh import make_mesh
+    from sharding.rules import ShardingPlan, expand_kv_heads
+
+    args = ModelArgs.from_hf_config(dict(TINY_MOE))
+    plan = ShardingPlan(make_mesh(ParallelConfig()), args, expert_parallel=True)
+    specs = {path: plan.spec(path, len(shape))
+             for path, shape in flatten_paths(param_shapes(args)).items()}
+    assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
+    assert specs["layers.0.wq"] == P(None, "tensor") and specs["layers.0.wo"] == P("tensor", None)
+    assert specs["layers.0.w_down"] == P("tensor", None)
+    assert specs["layers.1.experts_gate"] == P(("data", "tensor"), None, None)
+    assert specs["layers.1.router"] == P() and specs["layers.1.q_norm"] == P()
+    for path, shape in flatten_paths(param_shapes(args)).items():  # loader's guess == real ndim
+        assert plan.spec(path) == specs[path], path
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(3, 2 * 4)), jnp.float32)  # 2 heads of 4
+    expanded = np.asarray(expand_kv_heads(w, 2, 4)).reshape(3, 4, 4)
+    np.testing.assert_array_equal(expanded[:, 1], np.asarray(w)[:, :4])
+    np.testing.assert_array_equal(expanded[:, 2], np.asarray(w)[:, 4:])
+    assert jax.devices()  # single device in the main process
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2])
