@@ -77,3 +77,16 @@ def test_chat_prompt_logits_match_hf_gguf(ours, hf_gguf):
     rel = np.max(np.abs(logits - ref)) / np.max(np.abs(ref))
     assert rel < 1e-3, rel
     assert logits.argmax() == ref.argmax()
+
+
+def test_gguf_file_path_converts_into_cache(default_model_dir, tmp_path, monkeypatch):
+    import filecmp
+
+    from jaxllm.loader.default_model import converted_gguf_dir
+
+    monkeypatch.setenv("JAXLLM_CACHE_DIR", str(tmp_path))
+    converted = converted_gguf_dir(default_gguf_path())
+    assert converted.startswith(str(tmp_path)) and converted_gguf_dir(default_gguf_path()) == converted
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert filecmp.cmp(os.path.join(converted, name), os.path.join(default_model_dir, name),
+                           shallow=False), name

