@@ -55,6 +55,10 @@ class OpenAIServing:
         _check_finite(request)
         if not 1 <= request.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {request.n}.", param="n")
+        bad_ids = [t for t in request.stop_token_ids or () if not 0 <= t < self.engine.vocab_size]
+        if bad_ids:
+            raise OpenAIError(f"stop_token_ids must be in [0, {self.engine.vocab_size}), got "
+                              f"{bad_ids[0]}.", param="stop_token_ids")
         stop = [request.stop] if isinstance(request.stop, str) else request.stop
         if stop is not None and len(stop) > MAX_STOP_STRINGS:
             raise OpenAIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, "
@@ -64,7 +68,8 @@ class OpenAIServing:
                 n=request.n,
                 temperature=_default(request.temperature, 1.0),
                 top_p=_default(request.top_p, 1.0),
-                top_k=_default(request.top_k, 0),
+                # Past the vocabulary top-k keeps everything; the sampler holds it in int32.
+                top_k=min(_default(request.top_k, 0), self.engine.vocab_size),
                 min_p=_default(request.min_p, 0.0),
                 presence_penalty=_default(request.presence_penalty, 0.0),
                 frequency_penalty=_default(request.frequency_penalty, 0.0),

@@ -55,6 +55,7 @@ class AsyncLLM:
         self.tokenizer = engine_core.tokenizer
         self.max_model_len: int = engine_core.max_model_len
         self.model_name: str = engine_core.model_name
+        self.vocab_size: int = engine_core.vocab_size
         self.max_queue_len = max_queue_len
         self._wakeup = threading.Condition()
         self._inbox: deque[_AddCommand | str] = deque()  # adds, and request ids to abort
