@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     add_serve_args(serve)
     serve.set_defaults(handler=run_serve)
 
+    from jaxllm.bench.cli import add_bench_args
+    add_bench_args(commands)
+
     args = parser.parse_args(argv)
     try:
         args.handler(args)

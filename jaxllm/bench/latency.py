@@ -1,0 +1,116 @@
+"""`jaxllm bench latency`: end-to-end latency of one fixed batch (vLLM's output), and with
+--measure-decode the steady-state decode step time at the prompt's context beside its floor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxllm.bench import roofline
+from jaxllm.bench.datasets import random_requests
+from jaxllm.bench.throughput import add_engine_args, engine_prompt, make_llm, measure_ceilings_for
+from jaxllm.sampling_params import SamplingParams
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-iters-warmup", type=int, default=10)
+    parser.add_argument("--num-iters", type=int, default=30)
+    parser.add_argument("--measure-decode", action="store_true",
+                        help="also time decode-only steps at input-len context (ms/token)")
+    parser.add_argument("--output-json", default=None)
+    add_engine_args(parser)
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters_warmup: int,
+                num_iters: int, seed: int = 0, use_tqdm: bool = True) -> dict:
+    """Seconds to generate output_len tokens for a batch of random input_len-token prompts."""
+    requests = random_requests(batch_size, input_len, output_len, llm.llm_engine.vocab_size,
+                               seed=seed)
+    prompts = [engine_prompt(r) for r in requests]
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
+
+    def run_once() -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for _ in tqdm(range(num_iters_warmup), desc="Warmup iterations", disable=not use_tqdm):
+        run_once()
+    latencies = np.array([run_once() for _ in tqdm(range(num_iters), desc="Profiling iterations",
+                                                   disable=not use_tqdm)])
+    return {"avg_latency": float(latencies.mean()), "latencies": latencies.tolist(),
+            "percentiles": {str(p): float(np.percentile(latencies, p)) for p in PERCENTILES}}
+
+
+def format_result(result: dict) -> str:
+    lines = [f"Avg latency: {result['avg_latency']} seconds"]
+    lines += [f"{p}% percentile latency: {v} seconds" for p, v in result["percentiles"].items()]
+    return "\n".join(lines)
+
+
+def measure_decode_step(engine, batch_size: int, context_len: int, num_steps: int,
+                        seed: int = 0) -> dict:
+    """Prefills batch_size random prompts of context_len tokens, then times num_steps engine
+    steps in which every sequence decodes one token. engine: an EngineCore with nothing running."""
+    if engine.has_unfinished_requests():
+        raise ValueError("measure_decode_step needs an idle engine.")
+    requests = random_requests(batch_size, context_len, num_steps + 2, engine.vocab_size,
+                               seed=seed)
+    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=num_steps + 2)
+    ids = [f"decode-bench-{seed}-{i}" for i in range(batch_size)]
+    for request_id, r in zip(ids, requests):
+        engine.add_request(request_id, r.prompt, params)
+    started: set[str] = set()
+    try:
+        while len(started) < batch_size:  # prefill; the last prefill chunk samples token 1
+            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        engine.step()  # the first step whose every sequence decodes
+        times = np.empty(num_steps)
+        for i in range(num_steps):
+            start = time.perf_counter()
+            engine.step()
+            times[i] = time.perf_counter() - start
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return {"batch_size": batch_size, "context_len": context_len, "num_steps": num_steps,
+            "mean_step_ms": float(times.mean() * 1e3),
+            "median_step_ms": float(np.median(times) * 1e3),
+            "p99_step_ms": float(np.percentile(times, 99) * 1e3)}
+
+
+def main(args: argparse.Namespace) -> dict:
+    llm = make_llm(args)
+    result = run_latency(llm, args.batch_size, args.input_len, args.output_len,
+                         args.num_iters_warmup, args.num_iters, args.seed,
+                         use_tqdm=not args.disable_tqdm)
+    print(format_result(result), flush=True)
+    if args.measure_decode:
+        decode = measure_decode_step(llm.llm_engine, args.batch_size, args.input_len,
+                                     max(args.output_len, 8), args.seed)
+        result["decode"] = decode
+        line = (f"Decode step: {decode['median_step_ms']:.3f} ms median (mean "
+                f"{decode['mean_step_ms']:.3f}) at batch {args.batch_size}, context "
+                f"{args.input_len}")
+        if not args.no_roofline:
+            from jaxllm.loader.loader import resolve_dtype
+            floor = roofline.decode_step_floor(
+                roofline.model_args_of(args.model, args.load_format), args.batch_size,
+                args.input_len, measure_ceilings_for(args), resolve_dtype(args.dtype).itemsize)
+            decode["roofline"] = floor
+            line += "; " + roofline.describe(floor, decode["median_step_ms"] / 1e3)
+        print(line, flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,173 @@
+"""Hardware floors of a workload from the model shape, and the device ceilings they divide by.
+
+A decode step must read every weight it uses once and the KV of every context token; a workload
+must do its FLOPs. Floor time = max(bytes / HBM bandwidth, FLOPs / matmul rate); a measured time
+divided into it is the achieved fraction (1.0 = at the roofline).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from jaxllm.models.args import ModelArgs
+
+
+@dataclass
+class Ceilings:
+    hbm_bytes_per_s: float  # copy bandwidth: (read + write bytes) / time
+    gemv_bytes_per_s: float  # weight-read rate of a matrix-vector product (decode's pattern)
+    matmul_flops_per_s: float  # large square matmul in the benchmark dtype
+    device: str
+    dtype: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _time_per_call(fn, arg, reps: int) -> float:
+    import jax
+    jax.block_until_ready(fn(arg))  # compile and warm up
+    best = math.inf
+    for _ in range(3):  # best of three batches of `reps` back-to-back launches
+        start = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(arg)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
+def measure_ceilings(dtype: str = "bfloat16", copy_bytes: int | None = None,
+                     matmul_n: int | None = None, reps: int = 20) -> Ceilings:
+    """Copy bandwidth, GEMV read rate and matmul rate on the first device."""
+    import jax
+    import jax.numpy as jnp
+
+    on_gpu = jax.default_backend() == "gpu"
+    copy_bytes = copy_bytes or (2 << 30 if on_gpu else 16 << 20)
+    matmul_n = matmul_n or (8192 if on_gpu else 512)
+    dt = jnp.dtype(dtype)
+    x = jnp.ones(copy_bytes // dt.itemsize, dt)
+    copy_s = _time_per_call(jax.jit(lambda a: a * 2), x, reps)
+    del x
+    rows = int(math.sqrt(copy_bytes // 4 // dt.itemsize))  # a quarter of the copy size
+    w = jax.random.normal(jax.random.key(0), (rows, rows), dt)
+    v = jnp.ones((rows,), dt)
+    gemv_s = _time_per_call(jax.jit(lambda a: a @ v), w, reps)
+    del w
+    a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), dt)
+    matmul_s = _time_per_call(jax.jit(lambda m: m @ m), a, reps)
+    return Ceilings(hbm_bytes_per_s=2 * copy_bytes / copy_s,
+                    gemv_bytes_per_s=rows * rows * dt.itemsize / gemv_s,
+                    matmul_flops_per_s=2 * matmul_n ** 3 / matmul_s,
+                    device=str(jax.devices()[0].device_kind), dtype=dt.name)
+
+
+# -- the model shape ------------------------------------------------------------------------------
+def _layer_params(args: ModelArgs, layer_index: int, experts_read: float) -> float:
+    """Matmul weights of one layer touched when experts_read of its experts are used (norms and
+    biases are negligible)."""
+    h = args.hidden_size
+    attention = h * (args.q_size + 2 * args.kv_size) + args.q_size * h
+    if args.layer_mlp_kind(layer_index) != "moe":
+        return attention + 3 * h * args.intermediate_size
+    shared = 3 * h * args.shared_expert_intermediate_size + h * args.num_experts  # + router
+    return attention + shared + experts_read * 3 * h * args.moe_intermediate_size
+
+
+def kv_bytes_per_token(args: ModelArgs, dtype_bytes: int = 2) -> int:
+    return 2 * args.num_layers * args.kv_size * dtype_bytes
+
+
+def active_params_per_token(args: ModelArgs) -> float:
+    """Matmul weights one token multiplies by: its layers (top-k experts) and the LM head."""
+    return (sum(_layer_params(args, i, args.num_experts_per_tok) for i in range(args.num_layers))
+            + args.hidden_size * args.vocab_size)
+
+
+def weight_bytes_per_step(args: ModelArgs, batch_size: int, dtype_bytes: int = 2) -> float:
+    """Weights a step over batch_size tokens reads: layers, LM head, batch_size embedding rows;
+    of an MoE layer, the experts the batch is expected to hit under uniform routing."""
+    experts_hit = 0.0
+    if args.num_experts:
+        experts_hit = args.num_experts * (1 - (1 - args.num_experts_per_tok / args.num_experts)
+                                          ** batch_size)
+    layers = sum(_layer_params(args, i, experts_hit) for i in range(args.num_layers))
+    return (layers + args.hidden_size * (args.vocab_size + batch_size)) * dtype_bytes
+
+
+def attention_flops(args: ModelArgs, context_len: float) -> float:
+    """QK^T and PV of one query token over context_len keys, all layers."""
+    return 4 * context_len * args.num_heads * args.head_dim * args.num_layers
+
+
+# -- floors ---------------------------------------------------------------------------------------
+def decode_step_floor(args: ModelArgs, batch_size: int, context_len: int, ceilings: Ceilings,
+                      dtype_bytes: int = 2) -> dict:
+    """One decode step of batch_size sequences, each attending over context_len tokens."""
+    step_bytes = (weight_bytes_per_step(args, batch_size, dtype_bytes)
+                  + batch_size * context_len * kv_bytes_per_token(args, dtype_bytes))
+    flops = batch_size * (2 * active_params_per_token(args) + attention_flops(args, context_len))
+    memory_s = step_bytes / ceilings.hbm_bytes_per_s
+    compute_s = flops / ceilings.matmul_flops_per_s
+    return _floor(step_bytes, flops, ceilings)
+
+
+def workload_floor(args: ModelArgs, prompt_lens, output_lens, max_num_seqs: int,
+                   ceilings: Ceilings, dtype_bytes: int = 2) -> dict:
+    """Offline run of requests (prompt_lens[i] in, output_lens[i] out) at most max_num_seqs at a
+    time. Memory: every decode step reads the weights (at least max(longest output, total output /
+    max_num_seqs) steps) and each generated token reads its context's KV once."""
+    p = np.asarray(prompt_lens, np.float64)
+    o = np.asarray(output_lens, np.float64)
+    # Token t of a request attends over its position: prompt sum = p^2/2, output sum = p*o + o^2/2.
+    attended = p * p / 2 + p * o + o * o / 2
+    flops = (2 * active_params_per_token(args) * (p + o).sum()
+             + 4 * attended.sum() * args.num_heads * args.head_dim * args.num_layers)
+    steps = max(o.max(), math.ceil(o.sum() / max_num_seqs))
+    batch = min(max_num_seqs, len(o))
+    kv_read = (p * o + o * o / 2).sum() * kv_bytes_per_token(args, dtype_bytes)
+    return _floor(steps * weight_bytes_per_step(args, batch, dtype_bytes) + kv_read, flops,
+                  ceilings)
+
+
+def _floor(num_bytes: float, flops: float, ceilings: Ceilings) -> dict:
+    memory_s = float(num_bytes) / ceilings.hbm_bytes_per_s
+    compute_s = float(flops) / ceilings.matmul_flops_per_s
+    return {"bytes": float(num_bytes), "flops": float(flops), "memory_s": memory_s,
+            "compute_s": compute_s, "floor_s": max(memory_s, compute_s),
+            "bound": "memory" if memory_s >= compute_s else "compute"}
+
+
+def describe(floor: dict, measured_s: float) -> str:
+    """'floor 3.55 ms (memory-bound), achieved 91.2% of the floor'"""
+    return (f"floor {_seconds(floor['floor_s'])} ({floor['bound']}-bound), achieved "
+            f"{100 * floor['floor_s'] / measured_s:.1f}% of the floor")
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def model_args_of(model: str | None, load_format: str = "auto") -> ModelArgs:
+    """The shape the engine loads for `model`, read without loading weights."""
+    import json
+    import os
+
+    from jaxllm.models.presets import PRESETS
+
+    if load_format == "dummy" and model in PRESETS:
+        return ModelArgs.from_hf_config(PRESETS[model])
+    if model is None:
+        from jaxllm.loader.default_model import default_model_dir
+        model = default_model_dir()
+    elif model.endswith(".gguf"):
+        from jaxllm.loader.default_model import converted_gguf_dir
+        model = converted_gguf_dir(model)
+    with open(os.path.join(model, "config.json")) as f:
+        return ModelArgs.from_hf_config(json.load(f))
