@@ -150,5 +150,19 @@ def test_rules_cover_every_param_and_expand_kv_heads():
     assert jax.devices()  # single device in the main process
 
 
+def test_orbax_convert_then_restore_roundtrip(tiny_llama_dir, tmp_path):
+    import jax
+
+    from jaxllm.loader import load_model
+    from jaxllm.loader.orbax_ckpt import convert, is_orbax_checkpoint, restore_params
+
+    out = convert(tiny_llama_dir, str(tmp_path / "ckpt"), dtype="float32")
+    assert is_orbax_checkpoint(out) and not is_orbax_checkpoint(tiny_llama_dir)
+    loaded = load_model(tiny_llama_dir, dtype="float32")
+    restored = restore_params(out, loaded.args)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 loaded.params, restored)
+
+
 if __name__ == "__main__":
     _child_main(sys.argv[1], sys.argv[2])
