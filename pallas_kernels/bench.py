@@ -58,8 +58,9 @@ def time_chain(call, x, *args, donate=False, reps=5):
 
 
 def ceilings():
-    x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.bfloat16)  # 2 GiB
-    copy_s = time_chain(lambda x, i: x + 1, x)
+    # f32 scale: 4.16 TB/s on the H200 where XLA's bf16 `x + 1` reached only 3.27 TB/s
+    x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.float32)  # 2 GiB
+    copy_s = time_chain(lambda x, i: x * 1.0001, x)
     a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16) / 90.5  # keeps |a| ~ 1
     mm_s = time_chain(lambda a, i, b: a @ b, a, b)
@@ -208,7 +209,7 @@ def decode_case(key, num_seqs, ctx, copy_GBps, tiles, with_peers):
     impls = {"ours": ours(tiles)}
     if with_peers and nbytes <= (8 << 30):
         impls["jax_paged"] = jax_paged_decode(b)
-    if with_peers and num_seqs * ctx <= 64 * 8192:
+    if with_peers and num_seqs * ctx <= 8 * 2048:  # the scan over all pages is slow (~1% of bw)
         impls["xla"] = xla_ref
     for name, call in impls.items():
         try:
@@ -227,7 +228,7 @@ def prefill_case(key, num_seqs, chunk, ctx, mm_TFLOPs, tiles, with_peers):
     row = {"kind": "prefill", "seqs": num_seqs, "chunk": chunk, "ctx": ctx,
            "floor_us": flops / mm_TFLOPs / 1e6}
     impls = {"ours": ours(tiles)}
-    if with_peers:
+    if with_peers and chunk * (ctx + chunk) <= 512 * 2560:
         impls["xla"] = xla_ref
     if with_peers and ctx == 0:
         q4 = b["q"].reshape(num_seqs, chunk, HEADS["num_q_heads"], HEADS["head_dim"])

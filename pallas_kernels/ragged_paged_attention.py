@@ -244,8 +244,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
         grid=(num_q_blocks, num_kv_heads, num_kv_splits),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_init],
         input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or 4,
-                                                num_stages=num_stages or 2),
+        # H200 sweep (docs/benchmarks.md): 3 stages paid for prefill tiles, cost for decode ones
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps or 4, num_stages=num_stages or (2 if decode_bucket else 3)),
         interpret=interpret,
         name="ragged_paged_attention",
     )(*inputs, *out_init)
