@@ -19,7 +19,7 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields both endpoints share, names and defaults as vLLM's OpenAI server."""
 
     model: str | None = None
@@ -44,7 +44,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-class CompletionRequest(_SamplingFields, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True):
     # A string, a list of strings, token ids, or a list of token-id lists; msgspec allows one
     # array type per union, so the list's homogeneity is checked after decoding.
     prompt: str | list[str | int | list[int]]
@@ -65,7 +65,7 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

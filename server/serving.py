@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import msgspec
@@ -17,7 +16,7 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogpr
 from jaxllm.sampling_params import SamplingParams
 from server.errors import OpenAIError, error_body
 from server.metrics import RequestTimer, ServerMetrics
-from server.protocol import ModelCard, ModelList, UsageInfo, _SamplingFields
+from server.protocol import ModelCard, ModelList, SamplingFields, UsageInfo
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
@@ -49,10 +48,9 @@ class OpenAIServing:
         raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
 
     # -- sampling -------------------------------------------------------------------------------
-    def sampling_params(self, request: _SamplingFields, max_tokens: int | None, prompt_len: int,
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, prompt_len: int,
                         logprobs: int | None) -> SamplingParams:
         self.check_lengths(prompt_len, max_tokens)
-        _check_finite(request)
         if not 1 <= request.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {request.n}.", param="n")
         bad_ids = [t for t in request.stop_token_ids or () if not 0 <= t < self.engine.vocab_size]
@@ -174,14 +172,6 @@ def _as_openai_error(error: BaseException) -> BaseException:
 
 def _default(value, default):
     return default if value is None else value
-
-
-def _check_finite(request: _SamplingFields) -> None:
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
-        value = getattr(request, name)
-        if value is not None and not math.isfinite(value):
-            raise OpenAIError(f"{name} must be a finite number, got {value}.", param=name)
 
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:

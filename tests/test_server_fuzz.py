@@ -122,3 +122,15 @@ def test_queue_full_gets_503_and_abort_frees_waiting_requests(server):
             == idle["jaxllm:num_requests_aborted_total"] + 1)
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(server):
+    idle = wait_idle(server)
+    body = {"prompt": "hello", "n": 16, "max_tokens": 50, "ignore_eos": True}  # ~400 steps
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body,
+                   timeout=httpx.Timeout(60, read=0.5))
+    freed = wait_idle(server, timeout=10)
+    assert freed["jaxllm:num_free_blocks"] == idle["jaxllm:num_free_blocks"]
+    assert (freed["jaxllm:num_requests_aborted_total"]
+            == idle["jaxllm:num_requests_aborted_total"] + 1)
