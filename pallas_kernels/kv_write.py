@@ -25,7 +25,8 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
 # Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into
 # their slots of the flattened cache, which is aliased in place (donate it under jit).
 _BLOCK_TOKENS = 16
-# Which path `write_kv` takes on GPU, set from the H200 benchmark (python -m pallas_kernels.bench).
+# Which path `write_kv` takes on GPU: the scatter until `python -m pallas_kernels.bench` shows
+# the kernel faster on the H200 (its kv_write rows; not yet measured).
 USE_PALLAS = False
 
 
