@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -247,6 +248,7 @@ def _vocab_size(tokenizer, model: str) -> int:
 
 
 def main(args: argparse.Namespace) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     api_key = os.environ.get("OPENAI_API_KEY") or os.environ.get("JAXLLM_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
