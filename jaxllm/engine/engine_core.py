@@ -116,10 +116,16 @@ class EngineCore:
                            else (params.seed + index) & 0x7FFFFFFF)
             children.append(Request(child_request_id(request_id, index, n), prompt_token_ids,
                                     params))
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)  # may refuse (e.g. more blocks than the pool)
+                added.append(child.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
         self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), children)
         self.prompt_tokens_total += len(prompt_token_ids)
-        for child in children:
-            self.scheduler.add_request(child)
 
     def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
         if request_id in self.output_processor.parents:
