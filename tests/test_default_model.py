@@ -90,3 +90,38 @@ def test_gguf_file_path_converts_into_cache(default_model_dir, tmp_path, monkeyp
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert filecmp.cmp(os.path.join(converted, name), os.path.join(default_model_dir, name),
                            shallow=False), name
+
+
+def hf_greedy_until_eos(hf_model, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(hf_model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            out.append(token)
+            if token == eos:
+                break
+    return out
+
+
+def test_engine_greedy_generation_matches_hf_gguf(default_model_dir, hf_gguf):
+    """The whole engine on the default model (chat and plain prompts in one batch) against HF
+    transformers' greedy decoding of the same GGUF, token for token."""
+    from jaxllm import LLM, SamplingParams
+
+    hf_tok, hf_model = hf_gguf
+    prompts = [hf_tok(hf_tok.apply_chat_template(chat, add_generation_prompt=True,
+                                                 tokenize=False)).input_ids for chat in CHATS]
+    prompts += [hf_tok(text).input_ids for text in PLAIN]
+    max_new_tokens = 20
+    expected = [hf_greedy_until_eos(hf_model, ids, max_new_tokens, hf_tok.eos_token_id)
+                for ids in prompts]
+    llm = LLM(default_model_dir, dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=64, enforce_eager=True, compilation_cache_dir=None)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    first = outputs[0].outputs[0]
+    assert first.text == hf_tok.decode(expected[0], skip_special_tokens=True)
+    assert "Paris" in first.text
