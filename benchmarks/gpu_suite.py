@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from suite_plan import DECODE_TARGETS, THROUGHPUT_TARGETS, workload_name
+from suite_plan import DECODE_TARGETS, THROUGHPUT_TARGETS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
