@@ -14,6 +14,8 @@ from typing import Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.sample import sampler
@@ -29,6 +31,15 @@ def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int
         buckets.append(size)
         size *= 2
     return buckets + [max_num_batched_tokens]
+
+
+def _place_like_step_output(penalty_state, kv_caches):
+    """On a mesh the step returns the penalty state vocab-parallel (as the logits); placing it so
+    from the start keeps the second step from recompiling for a new input sharding."""
+    sharding = kv_caches[0][0].sharding
+    if not isinstance(sharding, NamedSharding):
+        return penalty_state
+    return jax.device_put(penalty_state, NamedSharding(sharding.mesh, P(None, "tensor")))
 
 
 @dataclass
@@ -47,7 +58,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = token_buckets(max_num_batched_tokens)
-        self.penalty_state = sampler.init_penalty_state(max_num_seqs, vocab_size)
+        self.penalty_state = _place_like_step_output(
+            sampler.init_penalty_state(max_num_seqs, vocab_size), kv_caches)
         self.garbage_row = max_num_seqs  # padding sequences and tokens use the last row
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}
