@@ -1,0 +1,158 @@
+"""One GPU call: is the engine right on the GPU, and where does a decode step's time go?
+
+    python benchmarks/engine_gpu_check.py --out DIR
+
+1. A random Llama (HF-saved here) through the engine with Pallas attention against HF
+   transformers' greedy decoding on the GPU, token for token (fp32; bf16 agreement).
+2. The Llama-3.1-8B shape (dummy bf16): decode step time at 2k context for batch 1/8/64 against
+   the bandwidth floor, with the host's share of each step (schedule, batch build + launch,
+   wait for the device, scheduler update + outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+
+
+def check_vs_hf(out: dict) -> None:
+    """A random Llama (head_dim 128, GQA group 3) saved by HF on this machine: our engine with
+    the Pallas kernel (fp32; mixed prefill/decode through a small token budget) against HF's
+    greedy decoding on the GPU, token for token. (The default model's GGUF is too large to carry
+    to the GPU machine.)"""
+    import sys
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from conftest import build_tiny_tokenizer
+
+    from jaxllm import LLM, SamplingParams
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=384, hidden_size=768, intermediate_size=1536, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    path = tempfile.mkdtemp()
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device).eval()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 384, int(n)).tolist() for n in (5, 40, 130, 300, 17, 600)]
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            new = []
+            for _ in range(24):
+                logits = model(torch.tensor([ids + new]).to(device)).logits[0, -1]
+                logits[2] = -float("inf")
+                new.append(int(logits.argmax()))
+            expected.append(new)
+    del model
+    torch.cuda.empty_cache()
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(path, dtype=dtype, max_model_len=1024, max_num_seqs=8,
+                  max_num_batched_tokens=128, enforce_eager=True, gpu_memory_utilization=0.3)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        same = [sum(a == b for a, b in zip(g, e)) for g, e in zip(got, expected)]
+        out[f"hf_match_{dtype}"] = {"exact": [g == e for g, e in zip(got, expected)],
+                                     "same_tokens_of_24": same}
+        del llm
+    print(json.dumps(out, indent=1), flush=True)
+
+
+def instrument(engine) -> dict:
+    """Wraps the stages of EngineCore.step with timers; returns the dict they add to."""
+    spent = defaultdict(float)
+
+    def timed(obj, name, key):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - start
+        setattr(obj, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.runner, "execute", "execute (build + launch + wait)")
+    timed(engine.runner, "_collect", "wait for device (+ fetch)")
+    timed(engine.scheduler, "update_from_output", "scheduler update")
+    timed(engine.output_processor, "process", "outputs (detok)")
+    return spent
+
+
+def decode_8b(out: dict) -> None:
+    from jaxllm import LLM
+    from jaxllm.bench import roofline
+    from jaxllm.bench.latency import measure_decode_step
+
+    ceilings = roofline.measure_ceilings()
+    out["ceilings"] = vars(ceilings) if hasattr(ceilings, "__dict__") else str(ceilings)
+    start = time.perf_counter()
+    llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=64, max_num_batched_tokens=2048, enforce_eager=True)
+    out["load_s"] = time.perf_counter() - start
+    engine = llm.llm_engine
+    args = engine.runner  # noqa: F841 (keeps the runner alive in tracebacks)
+    model_args = roofline.model_args_of("llama-3.1-8b", "dummy")
+    for batch in (1, 8, 64):
+        measure_decode_step(engine, batch, 2048, 5)  # compile this bucket
+        spent = instrument(engine)
+        result = measure_decode_step(engine, batch, 2048, 40)
+        floor = roofline.decode_step_floor(model_args, batch, 2048 + 20, ceilings, 2)
+        result["floor_ms"] = floor["floor_s"] * 1e3
+        result["fraction_of_floor"] = result["floor_ms"] / result["median_step_ms"]
+        result["host_breakdown_ms_total"] = dict(spent)
+        out[f"decode_b{batch}"] = result
+        print(json.dumps(result, indent=1), flush=True)
+        for obj in (engine.scheduler, engine.runner, engine.output_processor):
+            for name in ("schedule", "execute", "_collect", "update_from_output", "process"):
+                obj.__dict__.pop(name, None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--skip-hf", action="store_true")
+    a = parser.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    out: dict = {}
+    try:
+        if not a.skip_hf:
+            try:
+                check_vs_hf(out)
+            except Exception as e:  # keep going to the 8B part
+                out["hf_check_error"] = repr(e)
+                print("HF check failed:", repr(e), flush=True)
+        decode_8b(out)
+    finally:
+        with open(os.path.join(a.out, "engine_gpu_check.json"), "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    for batch in (1, 8, 64):
+        r = out.get(f"decode_b{batch}")
+        if r:
+            print(f"b={batch:3d}  step {r['median_step_ms']:.2f} ms  floor {r['floor_ms']:.2f} ms  "
+                  f"{100 * r['fraction_of_floor']:.0f}% of floor")
+    print({k: v for k, v in out.items() if k.startswith("hf_")})
+
+
+if __name__ == "__main__":
+    main()
