@@ -23,6 +23,12 @@ def _generate(args: argparse.Namespace) -> None:
     print(outputs[0].outputs[0].text)
 
 
+def _convert(args: argparse.Namespace) -> None:
+    from jaxllm.loader.orbax_ckpt import convert
+
+    print(convert(None if args.model == "default" else args.model, args.out, args.dtype))
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     from jaxllm.engine.args import EngineArgs
 
@@ -54,6 +60,16 @@ def main(argv: list[str] | None = None) -> None:
     from server.cli import add_serve_args, run_serve
     add_serve_args(serve)
     serve.set_defaults(handler=run_serve)
+
+    convert = commands.add_parser(
+        "convert", help="save a model's loaded weights as an Orbax checkpoint directory "
+                        "(then LLM(model=OUT) / jaxllm serve OUT restore it into the mesh)")
+    convert.add_argument("model", help="a local HF model directory, a .gguf file, or 'default' "
+                                       "for the built-in SmolLM2-135M-Instruct")
+    convert.add_argument("out", help="the checkpoint directory to write")
+    convert.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16",
+                                                             "float32"])
+    convert.set_defaults(handler=_convert)
 
     from jaxllm.bench.cli import add_bench_args
     add_bench_args(commands)

@@ -64,19 +64,24 @@ def _generate_all(model_dir: str, runs, vocab: int) -> dict[str, list[list[int]]
     return results
 
 
-def _child_main(llama_dir: str, moe_dir: str) -> None:
+def _child_main(llama_dir: str, moe_dir: str, llama_ckpt: str) -> None:
     import jax
 
     assert len(jax.devices()) == NUM_DEVICES, jax.devices()
-    print(json.dumps({"llama": _generate_all(llama_dir, LLAMA_RUNS, 384),
-                      "moe": _generate_all(moe_dir, MOE_RUNS, 96)}))
+    llama = _generate_all(llama_dir, LLAMA_RUNS, 384)
+    # The Orbax checkpoint restored straight into the TP=4 shardings (KV heads expanded after).
+    llama |= _generate_all(llama_ckpt, [("tp4_orbax", dict(tensor_parallel_size=4))], 384)
+    print(json.dumps({"llama": llama, "moe": _generate_all(moe_dir, MOE_RUNS, 96)}))
 
 
 def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_path):
+    from jaxllm.loader.orbax_ckpt import convert
+
     moe_dir = _save_tiny_moe(str(tmp_path / "moe"))
+    llama_ckpt = convert(tiny_llama_dir, str(tmp_path / "llama_ckpt"), dtype="float32")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
-    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, moe_dir], env=env,
+    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, moe_dir, llama_ckpt], env=env,
                           capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -84,6 +89,7 @@ def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_pat
     for model, runs in results.items():
         reference = runs["tp1"]
         assert all(len(tokens) == MAX_TOKENS for tokens in reference)
+        assert len(runs) == {"llama": len(LLAMA_RUNS) + 1, "moe": len(MOE_RUNS)}[model]
         for name, outputs in runs.items():
             assert outputs == reference, f"{model} {name}: {outputs} != {reference}"
 
@@ -163,7 +169,29 @@ def test_orbax_convert_then_restore_roundtrip(tiny_llama_dir, tmp_path):
     restored = restore_params(out, loaded.args)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  loaded.params, restored)
+    as_bf16 = restore_params(out, loaded.args, dtype="bfloat16")
+    assert {a.dtype.name for a in jax.tree.leaves(as_bf16)} == {"bfloat16"}
+
+
+def test_jaxllm_convert_then_llm_loads_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.cli import main
+    from jaxllm.loader.orbax_ckpt import is_orbax_checkpoint
+
+    out = str(tmp_path / "ckpt")
+    main(["convert", tiny_llama_dir, out, "--dtype", "float32"])
+    assert capsys.readouterr().out.strip() == out and is_orbax_checkpoint(out)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    texts = {}
+    for model in (tiny_llama_dir, out):
+        llm = LLM(model, dtype="float32", max_model_len=64, num_gpu_blocks_override=16,
+                  block_size=8, max_num_seqs=2, max_num_batched_tokens=16, enforce_eager=True,
+                  compilation_cache_dir=None)
+        outs = llm.generate(["The quick brown fox", "Hello world"], params, use_tqdm=False)
+        texts[model] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
+        assert llm.llm_engine.eos_token_ids == {2}  # generation config carried over
+    assert texts[out] == texts[tiny_llama_dir]
 
 
 if __name__ == "__main__":
-    _child_main(sys.argv[1], sys.argv[2])
+    _child_main(*sys.argv[1:4])

@@ -48,8 +48,9 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
 
 def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
                shardings: Shardings | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """model: a local HF directory, a Llama-architecture .gguf file (converted once into the
-    cache), a preset name (dummy only), or None for the default model."""
+    """model: a local HF directory, an Orbax checkpoint directory (`jaxllm convert`), a
+    Llama-architecture .gguf file (converted once into the cache), a preset name (dummy only), or
+    None for the default model."""
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}.")
     if model is None:
@@ -58,6 +59,8 @@ def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto"
     elif model.endswith(".gguf") and os.path.isfile(model):
         from jaxllm.loader.default_model import converted_gguf_dir
         model = converted_gguf_dir(model)
+    from jaxllm.loader.orbax_ckpt import is_orbax_checkpoint, restore_params  # imports us
+
     target = resolve_dtype(dtype)
     if load_format == "dummy" and model in PRESETS:
         return _dummy_preset(model, target, seed, shardings)
@@ -69,6 +72,8 @@ def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto"
     args = ModelArgs.from_hf_config(hf_config)
     if load_format == "dummy":
         params = dummy_params(args, target, seed, shardings)
+    elif is_orbax_checkpoint(model):  # written by `jaxllm convert`: each device reads its shard
+        params = restore_params(model, args, shardings, target)
     else:
         params = load_safetensors(model, args, target, shardings)
     tok = load_tokenizer(tokenizer or model)

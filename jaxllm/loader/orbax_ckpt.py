@@ -46,12 +46,16 @@ def convert(model: str | None, out_dir: str, dtype: str = "auto") -> str:
     return out_dir
 
 
-def restore_params(ckpt_dir: str, args: ModelArgs, shardings: Shardings | None = None) -> dict:
-    """The params pytree, each leaf placed with shardings(path) (default device when None)."""
+def restore_params(ckpt_dir: str, args: ModelArgs, shardings: Shardings | None = None,
+                   dtype=None) -> dict:
+    """The params pytree, each leaf placed with shardings(path) (default device when None) and
+    cast to dtype (default: the dtype it was saved in)."""
     import orbax.checkpoint as ocp
 
-    with open(os.path.join(ckpt_dir, MARKER)) as f:
-        dtype = jnp.dtype(json.load(f)["dtype"])
+    if dtype is None:
+        with open(os.path.join(ckpt_dir, MARKER)) as f:
+            dtype = json.load(f)["dtype"]
+    dtype = jnp.dtype(dtype)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {path: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings(path) if shardings
                                          else device)
