@@ -50,7 +50,7 @@ def load_chat_template(value: str | None) -> str | None:
 def build_serving(args: argparse.Namespace):
     """Loads and warms up the engine, then returns the app's serving state."""
     from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.engine.engine_core import EngineCore
+    from jaxllm.engine.dp_engine import make_engine
     from server.metrics import ServerMetrics
     from server.serving import OpenAIServing
 
@@ -58,7 +58,7 @@ def build_serving(args: argparse.Namespace):
         raise ValueError(f"max_queue_len must be at least 1, got {args.max_queue_len}.")
     chat_template = load_chat_template(args.chat_template)
     args.model = args.model_tag or args.model
-    core = EngineCore(EngineArgs.from_cli_args(args))
+    core = make_engine(EngineArgs.from_cli_args(args))  # a DPEngine for --data-parallel-size > 1
     engine = AsyncLLM(core, max_queue_len=args.max_queue_len)
     return OpenAIServing(engine, [core.model_name], ServerMetrics(core.model_name),
                          chat_template)

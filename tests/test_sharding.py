@@ -71,7 +71,24 @@ def _child_main(llama_dir: str, moe_dir: str, llama_ckpt: str) -> None:
     llama = _generate_all(llama_dir, LLAMA_RUNS, 384)
     # The Orbax checkpoint restored straight into the TP=4 shardings (KV heads expanded after).
     llama |= _generate_all(llama_ckpt, [("tp4_orbax", dict(tensor_parallel_size=4))], 384)
-    print(json.dumps({"llama": llama, "moe": _generate_all(moe_dir, MOE_RUNS, 96)}))
+    print(json.dumps({"llama": llama, "moe": _generate_all(moe_dir, MOE_RUNS, 96),
+                      "serve_engine": _serve_engine_kind(llama_ckpt)}))
+
+
+def _serve_engine_kind(model: str) -> str:
+    """`jaxllm serve OUT --data-parallel-size 2` builds its engine (no steps: nothing compiles)."""
+    import argparse
+
+    from server.cli import add_serve_args, build_serving
+
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(
+        [model, "--data-parallel-size", "2", "--dtype", "float32", "--max-model-len", "64",
+         "--num-gpu-blocks-override", "16", "--block-size", "8", "--enforce-eager"])
+    serving = build_serving(args)
+    try:
+        return type(serving.engine.core).__name__
+    finally:
+        serving.engine.shutdown()
 
 
 def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_path):
@@ -86,6 +103,7 @@ def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_pat
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results.pop("serve_engine") == "DPEngine"
     for model, runs in results.items():
         reference = runs["tp1"]
         assert all(len(tokens) == MAX_TOKENS for tokens in reference)
