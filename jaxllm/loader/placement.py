@@ -36,5 +36,9 @@ def place(host: np.ndarray, dtype, transpose: bool, sharding=None) -> jax.Array:
     """host [out, in] (if transpose) or any shape -> device array in `dtype`."""
     if transpose and sharding is not None and not isinstance(sharding, NamedSharding):
         host, transpose = np.ascontiguousarray(host.T), False
-    device_array = jax.device_put(host, _source_sharding(sharding, transpose))
+    source = _source_sharding(sharding, transpose)
+    if source is None:
+        device_array = jax.device_put(host)
+    else:  # each device copies only its slice; also when the mesh spans processes (multi-host)
+        device_array = jax.make_array_from_callback(host.shape, source, lambda index: host[index])
     return _converter(jnp.dtype(dtype), transpose, sharding)(device_array)
