@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.sample import sampler
-from jaxllm.worker.batch import SeqChunk, StepBatch, build_step_batch
+from jaxllm.worker.batch import SeqChunk, build_step_batch
+from jaxllm.worker.packing import pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +65,24 @@ class ModelRunner:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}
 
-        def step(params, kv_caches, penalty_state, batch, sampling_md, token_rows,
-                 token_is_output, reset_rows, seq_rows):
+        def step(params, kv_caches, penalty_state, packed_inputs, layout):
+            batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows = unpack(
+                packed_inputs, layout)
             logits, kv_caches = model_fn(params, kv_caches, batch)
             penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, token_rows,
                                                   token_is_output, reset_rows)
             out = sampler.sample(logits, sampling_md, penalty_state, seq_rows)
             return out, kv_caches, penalty_state
 
-        self._step = jax.jit(step, donate_argnums=(1, 2))
+        self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(4,))
+
+    def _launch(self, inputs: tuple):
+        """Runs the step on (batch, sampling_md, token_rows, token_is_output, reset_rows,
+        seq_rows), sent to the device as one packed buffer."""
+        packed, layout = pack(inputs)
+        out, self.kv_caches, self.penalty_state = self._step(
+            self.params, self.kv_caches, self.penalty_state, packed, layout)
+        return out
 
     # -- per-request state ------------------------------------------------------------------
     def _release(self, request_ids) -> None:
@@ -121,9 +131,8 @@ class ModelRunner:
             seeds=[s.sampling_params.seed for s in scheduled],  # the engine sets every seed
             num_seqs_padded=num_seqs_padded)
 
-        out, self.kv_caches, self.penalty_state = self._step(
-            self.params, self.kv_caches, self.penalty_state, batch, sampling_md, token_rows,
-            token_is_output, reset_rows, seq_rows)
+        out = self._launch((batch, sampling_md, token_rows, token_is_output, reset_rows,
+                            seq_rows))
         return self._collect(scheduled, out)
 
     def _collect(self, scheduled, out) -> ModelRunnerOutput:
@@ -159,8 +168,9 @@ class ModelRunner:
 
     def activation_bytes(self) -> int:
         """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
-        compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state,
-                                    *self._padding_inputs(self.buckets[-1])).compile()
+        packed, layout = pack(self._padding_inputs(self.buckets[-1]))
+        compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state, packed,
+                                    layout).compile()
         analysis = compiled.memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
 
@@ -168,9 +178,7 @@ class ModelRunner:
         """Compiles every bucket, so that nothing compiles while serving."""
         start = time.perf_counter()
         for n, num_tokens_padded in enumerate(self.buckets):
-            out, self.kv_caches, self.penalty_state = self._step(
-                self.params, self.kv_caches, self.penalty_state,
-                *self._padding_inputs(num_tokens_padded))
+            out = self._launch(self._padding_inputs(num_tokens_padded))
             jax.block_until_ready(out.token_ids)
             progress(f"warm-up: compiled bucket {n + 1}/{len(self.buckets)} "
                      f"({num_tokens_padded} tokens), {time.perf_counter() - start:.1f}s")
