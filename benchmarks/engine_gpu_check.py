@@ -108,7 +108,8 @@ def decode_8b(out: dict) -> None:
     out["ceilings"] = vars(ceilings) if hasattr(ceilings, "__dict__") else str(ceilings)
     start = time.perf_counter()
     llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=64, max_num_batched_tokens=2048, enforce_eager=True)
+              max_num_seqs=64, max_num_batched_tokens=2048, enforce_eager=True,
+              num_gpu_blocks_override=20000)
     out["load_s"] = time.perf_counter() - start
     engine = llm.llm_engine
     args = engine.runner  # noqa: F841 (keeps the runner alive in tracebacks)
