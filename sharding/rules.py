@@ -112,10 +112,10 @@ class ShardingPlan:
         mesh, args = self.mesh, self.model_args
         attn_sharded, write_sharded = shard_attention(attn, write_kv, mesh)
 
-        def model_fn(params, kv_caches, batch):
+        def model_fn(params, kv_caches, batch, **kwargs):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # MoE reads the mesh
                 return forward(params, kv_caches, batch, args=args, attn=attn_sharded,
-                               write_kv=write_sharded)
+                               write_kv=write_sharded, **kwargs)
         return model_fn
 
 

@@ -114,7 +114,8 @@ def test_no_compilation_after_warmup(tiny_llama_dir):
                 top_p=rng.choice([1.0, 0.9, 0.5]), min_p=rng.choice([0.0, 0.1]),
                 repetition_penalty=rng.choice([1.0, 1.2]), presence_penalty=rng.choice([0, 0.5]),
                 frequency_penalty=rng.choice([0, 0.3]), seed=rng.choice([None, 7]),
-                logprobs=rng.choice([None, 3]), n=rng.choice([1, 2]),
+                logprobs=rng.choice([None, 3]), prompt_logprobs=rng.choice([None, None, 2]),
+                n=rng.choice([1, 2]),
                 max_tokens=rng.randint(1, 40)) for _ in prompts]
             llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -207,3 +208,28 @@ def test_abort_frees_blocks(llm):
     assert_all_blocks_free(llm)
     assert engine.step() == []
     np.testing.assert_equal(engine.has_unfinished_requests(), False)
+
+
+def test_prompt_logprobs_match_hf(tiny_llama_dir):
+    """Prompt logprobs (computed chunk by chunk: the budget splits the prompt) against HF's
+    log_softmax at every prompt position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = random_prompts(7, 1, 300, lengths=(30, 30))[0]
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16, enforce_eager=True)
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = out.prompt_logprobs[position]
+        expected = ref[position - 1]
+        token = prompt[position]
+        assert entry[token].logprob == pytest.approx(expected[token], abs=1e-4)
+        assert entry[token].rank == int((expected >= expected[token]).sum())
+        top3 = np.argsort(-expected)[:3]
+        assert all(entry[int(t)].logprob == pytest.approx(expected[t], abs=1e-4) for t in top3)
+    assert_all_blocks_free(llm)

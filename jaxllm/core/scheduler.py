@@ -34,6 +34,7 @@ class ScheduledRequest:
     new_block_ids: list[int]
     sampling_params: SamplingParams
     samples: bool  # this grant reaches the last known token, so the step yields a new one
+    next_token_id: int  # the known token after token_ids (-1 if none): prompt logprobs need it
 
 
 @dataclass(slots=True)
@@ -196,7 +197,8 @@ class Scheduler:
             request.request_id, all_token_ids[start:end], start,
             len(request.prompt_token_ids), len(request.output_token_ids),
             self.kv_cache_manager.get_block_ids(request.request_id).copy(), new_block_ids,
-            request.sampling_params, end == len(all_token_ids))
+            request.sampling_params, end == len(all_token_ids),
+            all_token_ids[end] if end < len(all_token_ids) else -1)
 
     # ---- results ----
 

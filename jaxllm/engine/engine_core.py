@@ -157,6 +157,8 @@ class EngineCore:
         if not scheduler_output.scheduled:
             return []
         result = self.runner.execute(scheduler_output)
+        if result.prompt_logprobs:
+            self.output_processor.record_prompt_logprobs(result.prompt_logprobs)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
         self.generation_tokens_total += len(updated)
         outputs, stopped = self.output_processor.process(updated, result.logprobs)

@@ -29,6 +29,7 @@ class ParentState:
     prompt_token_ids: list[int]
     children: dict[str, ChildState] = field(default_factory=dict)
     num_unfinished: int = 0
+    prompt_logprobs: list | None = None  # PromptLogprobs when asked: [None, {id: Logprob}, ...]
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -44,6 +45,8 @@ class OutputProcessor:
     def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
                     children: list[Request]) -> None:
         parent = ParentState(parent_id, prompt, prompt_token_ids, num_unfinished=len(children))
+        if children[0].sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
         for index, child in enumerate(children):
             params = child.sampling_params
             parent.children[child.request_id] = ChildState(
@@ -94,14 +97,28 @@ class OutputProcessor:
         outputs = [self._make_output(parent) for parent in touched.values()]
         return outputs, stopped_by_string
 
-    def _append_logprobs(self, child: ChildState, token: int, entry) -> None:
-        sampled_logprob, sampled_rank, top_ids, top_logprobs = entry
+    def record_prompt_logprobs(self, prompt_logprobs: dict) -> None:
+        """child id -> [(prompt position, entry)]; a position recomputed after a preemption
+        simply overwrites itself."""
+        for child_id, entries in prompt_logprobs.items():
+            parent = self.parents.get(self.parent_of.get(child_id))
+            if parent is None or parent.prompt_logprobs is None:
+                continue
+            for position, entry in entries:
+                parent.prompt_logprobs[position] = self._logprob_dict(
+                    parent.prompt_token_ids[position], entry)
+
+    def _logprob_dict(self, token: int, entry) -> dict[int, Logprob]:
+        chosen_logprob, chosen_rank, top_ids, top_logprobs = entry
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
         step = {tid: Logprob(lp, rank + 1, decode([tid]))
                 for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs))}
-        step[token] = Logprob(sampled_logprob, sampled_rank, decode([token]))
-        child.logprobs.append(step)
-        child.cumulative_logprob += sampled_logprob
+        step[token] = Logprob(chosen_logprob, chosen_rank, decode([token]))
+        return step
+
+    def _append_logprobs(self, child: ChildState, token: int, entry) -> None:
+        child.logprobs.append(self._logprob_dict(token, entry))
+        child.cumulative_logprob += entry[0]
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
         finished = parent.num_unfinished == 0
@@ -111,7 +128,7 @@ class OutputProcessor:
         if finished:
             self._forget(parent.request_id)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             completions, finished)
+                             completions, finished, prompt_logprobs=parent.prompt_logprobs)
 
     def abort(self, parent_id: str) -> None:
         self._forget(parent_id)

@@ -71,8 +71,9 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
 
 def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelArgs,
             attn: Callable = ragged_paged_attention_reference,
-            write_kv: Callable = write_kv_reference) -> tuple[jax.Array, KVCache]:
-    """-> (logits [S, V] float32 at batch.logits_indices, updated kv_caches).
+            write_kv: Callable = write_kv_reference, return_hidden: bool = False):
+    """-> (logits [S, V] float32 at batch.logits_indices, updated kv_caches), and with
+    return_hidden also the final-normed hidden states of every token [T, H] (prompt logprobs).
 
     Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32.
     """
@@ -86,9 +87,15 @@ def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelAr
         x = x + out
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args)
         new_caches.append((k_cache, v_cache))
+    if return_hidden:
+        hidden = rms_norm(x, params["final_norm"], args.rms_norm_eps)  # [T, H]
+        return compute_logits(params, hidden[batch.logits_indices]), new_caches, hidden
     x = rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, H]
+    return compute_logits(params, x), new_caches
+
+
+def compute_logits(params: dict, x: jax.Array) -> jax.Array:
+    """x [N, H] final-normed -> logits [N, V] float32 (the LM head, or the tied embedding)."""
     if "lm_head" in params:
-        logits = jnp.einsum("sh,hv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("sh,vh->sv", x, params["embed"], preferred_element_type=jnp.float32)
-    return logits, new_caches
+        return jnp.einsum("nh,hv->nv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("nh,vh->nv", x, params["embed"], preferred_element_type=jnp.float32)

@@ -40,3 +40,16 @@ def empty_logprobs(num_rows: int) -> LogprobsTensors:
                            top_logprobs=jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32),
                            sampled_logprob=jnp.zeros((num_rows,), jnp.float32),
                            sampled_rank=jnp.zeros((num_rows,), jnp.int32))
+
+
+def chunked_logprobs(logits_fn, hidden: jax.Array, token_ids: jax.Array,
+                     chunk: int = 128) -> LogprobsTensors:
+    """gather_logprobs(logits_fn(hidden), token_ids) for many rows (prompt logprobs: one row per
+    token of the step), `chunk` rows at a time so the [rows, V] logits never exist at once."""
+    num_rows = hidden.shape[0]
+    chunk = min(chunk, num_rows)
+    pad = -num_rows % chunk
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
+    token_ids = jnp.pad(token_ids, (0, pad)).reshape(-1, chunk)
+    out = jax.lax.map(lambda xs: gather_logprobs(logits_fn(xs[0]), xs[1]), (hidden, token_ids))
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:num_rows], out)

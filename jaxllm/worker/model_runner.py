@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import jax
@@ -18,7 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.models import compute_logits
 from jaxllm.sample import sampler
+from jaxllm.sample.logprobs import chunked_logprobs, empty_logprobs
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.packing import pack, unpack
 
@@ -43,11 +46,21 @@ def _place_like_step_output(penalty_state, kv_caches):
     return jax.device_put(penalty_state, NamedSharding(sharding.mesh, P(None, "tensor")))
 
 
+# (chosen token's logprob, its rank, top ids, top logprobs)
+LogprobEntry = tuple[float, int, list[int], list[float]]
+
+
+def _logprob_entry(tensors, row: int, num_top: int) -> LogprobEntry:
+    return (float(tensors.sampled_logprob[row]), int(tensors.sampled_rank[row]),
+            tensors.top_ids[row, :num_top].tolist(), tensors.top_logprobs[row, :num_top].tolist())
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
-    # request id -> (sampled token logprob, its rank, top ids, top logprobs); only when asked
-    logprobs: dict[str, tuple[float, int, list[int], list[float]]]
+    logprobs: dict[str, LogprobEntry]  # sampled tokens' logprobs, only for requests that ask
+    # request id -> [(prompt position scored, entry)], only for requests that ask
+    prompt_logprobs: dict[str, list[tuple[int, LogprobEntry]]]
 
 
 class ModelRunner:
@@ -66,19 +79,24 @@ class ModelRunner:
         self._rows: dict[str, int] = {}
 
         def step(params, kv_caches, penalty_state, packed_inputs, layout):
-            batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows = unpack(
-                packed_inputs, layout)
-            logits, kv_caches = model_fn(params, kv_caches, batch)
+            (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows,
+             next_prompt_ids, any_prompt_logprobs) = unpack(packed_inputs, layout)
+            logits, kv_caches, hidden = model_fn(params, kv_caches, batch, return_hidden=True)
             penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, token_rows,
                                                   token_is_output, reset_rows)
             out = sampler.sample(logits, sampling_md, penalty_state, seq_rows)
-            return out, kv_caches, penalty_state
+            prompt_logprobs = jax.lax.cond(
+                any_prompt_logprobs,
+                lambda: chunked_logprobs(partial(compute_logits, params), hidden,
+                                         next_prompt_ids),
+                lambda: empty_logprobs(hidden.shape[0]))
+            return (out, prompt_logprobs), kv_caches, penalty_state
 
         self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(4,))
 
     def _launch(self, inputs: tuple):
         """Runs the step on (batch, sampling_md, token_rows, token_is_output, reset_rows,
-        seq_rows), sent to the device as one packed buffer."""
+        seq_rows, next_prompt_ids, any_prompt_logprobs), sent as one packed buffer."""
         packed, layout = pack(inputs)
         out, self.kv_caches, self.penalty_state = self._step(
             self.params, self.kv_caches, self.penalty_state, packed, layout)
@@ -130,29 +148,54 @@ class ModelRunner:
             output_indices=[s.num_output_tokens for s in scheduled],
             seeds=[s.sampling_params.seed for s in scheduled],  # the engine sets every seed
             num_seqs_padded=num_seqs_padded)
-
+        next_prompt_ids, want_prompt = self._next_prompt_ids(scheduled, batch, num_tokens_padded)
         out = self._launch((batch, sampling_md, token_rows, token_is_output, reset_rows,
-                            seq_rows))
-        return self._collect(scheduled, out)
+                            seq_rows, next_prompt_ids, np.array(bool(want_prompt))))
+        return self._collect(scheduled, batch, out, want_prompt)
 
-    def _collect(self, scheduled, out) -> ModelRunnerOutput:
+    @staticmethod
+    def _next_prompt_ids(scheduled, batch, num_tokens_padded: int):
+        """For prompt logprobs: at each prompt token of a request that asks for them, the id of
+        the prompt token after it (0 elsewhere); and which requests those are."""
+        next_ids = np.zeros(num_tokens_padded, np.int32)
+        want = []
+        for i, s in enumerate(scheduled):
+            if s.sampling_params.prompt_logprobs is None or s.num_computed_tokens >= \
+                    s.num_prompt_tokens - 1:
+                continue
+            start = batch.cu_q_lens[i]
+            following = s.token_ids[1:] + [s.next_token_id]
+            next_ids[start:start + len(following)] = following
+            want.append(i)
+        return next_ids, want
+
+    def _collect(self, scheduled, batch, out, want_prompt: list[int]) -> ModelRunnerOutput:
+        sample_out, prompt_out = out
         want_logprobs = any(s.samples and s.sampling_params.logprobs is not None
                             for s in scheduled)
         # The one device-to-host transfer of the step.
-        host = jax.device_get((out.token_ids, out.logprobs) if want_logprobs
-                              else (out.token_ids, None))
-        token_ids, logprobs = host
+        token_ids, logprobs, prompt_lp = jax.device_get(
+            (sample_out.token_ids, sample_out.logprobs if want_logprobs else None,
+             prompt_out if want_prompt else None))
         sampled, sample_logprobs = {}, {}
         for i, s in enumerate(scheduled):
             if not s.samples:
                 continue
             sampled[s.request_id] = int(token_ids[i])
             if want_logprobs and s.sampling_params.logprobs is not None:
-                n = s.sampling_params.logprobs
-                sample_logprobs[s.request_id] = (
-                    float(logprobs.sampled_logprob[i]), int(logprobs.sampled_rank[i]),
-                    logprobs.top_ids[i, :n].tolist(), logprobs.top_logprobs[i, :n].tolist())
-        return ModelRunnerOutput(sampled, sample_logprobs)
+                sample_logprobs[s.request_id] = _logprob_entry(logprobs, i,
+                                                               s.sampling_params.logprobs)
+        prompt_logprobs = {}
+        for i in want_prompt:
+            s = scheduled[i]
+            start = batch.cu_q_lens[i]
+            # token j of the chunk scores prompt token num_computed + j + 1
+            last = min(len(s.token_ids), s.num_prompt_tokens - 1 - s.num_computed_tokens)
+            prompt_logprobs[s.request_id] = [
+                (s.num_computed_tokens + j + 1,
+                 _logprob_entry(prompt_lp, start + j, s.sampling_params.prompt_logprobs))
+                for j in range(last)]
+        return ModelRunnerOutput(sampled, sample_logprobs, prompt_logprobs)
 
     # -- warm-up and profiling ---------------------------------------------------------------
     def _padding_inputs(self, num_tokens_padded: int) -> tuple:
@@ -164,7 +207,8 @@ class ModelRunner:
                                              num_seqs_padded=num_seqs_padded)
         token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
         seq_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
-        return (batch, md, token_rows, np.zeros(num_tokens_padded, bool), seq_rows, seq_rows)
+        return (batch, md, token_rows, np.zeros(num_tokens_padded, bool), seq_rows, seq_rows,
+                np.zeros(num_tokens_padded, np.int32), np.array(False))
 
     def activation_bytes(self) -> int:
         """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
@@ -179,6 +223,6 @@ class ModelRunner:
         start = time.perf_counter()
         for n, num_tokens_padded in enumerate(self.buckets):
             out = self._launch(self._padding_inputs(num_tokens_padded))
-            jax.block_until_ready(out.token_ids)
+            jax.block_until_ready(out)
             progress(f"warm-up: compiled bucket {n + 1}/{len(self.buckets)} "
                      f"({num_tokens_padded} tokens), {time.perf_counter() - start:.1f}s")
