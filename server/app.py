@@ -82,19 +82,20 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> Starlette:
         if body.messages is not None:
             _, tokens = render_chat(serving, body.messages, body.add_generation_prompt)
         else:
-            tokens = serving.tokenizer.encode(body.prompt,
-                                              add_special_tokens=body.add_special_tokens)
+            tokens = serving.require_tokenizer("prompt").encode(
+                body.prompt, add_special_tokens=body.add_special_tokens)
         return _json(TokenizeResponse(tokens, len(tokens), serving.max_model_len))
 
     async def detokenize(request: Request) -> Response:
         body = decode_request(await _read_body(request), DetokenizeRequest)
         serving.check_model(body.model)
-        vocab = len(serving.tokenizer)
+        tokenizer = serving.require_tokenizer("tokens")
+        vocab = len(tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).",
                               param="tokens")
-        return _json(DetokenizeResponse(serving.tokenizer.decode(body.tokens)))
+        return _json(DetokenizeResponse(tokenizer.decode(body.tokens)))
 
     async def models(request: Request) -> Response:
         return _json(serving.models())

@@ -42,6 +42,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -52,6 +53,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and token_ids per choice
 
 
 class ContentPart(msgspec.Struct):
@@ -134,12 +136,27 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int] = msgspec.field(default_factory=list)
 
 
+class LogprobEntry(msgspec.Struct):
+    """vLLM's Logprob as its prompt_logprobs serialise it."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# One dict per prompt position (token id -> entry); the first position has none.
+PromptLogprobs = list[dict[int, LogprobEntry] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (first chunk when streamed)
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(msgspec.Struct):
@@ -187,6 +204,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None
     created: int = msgspec.field(default_factory=_now)
 
 

@@ -16,11 +16,14 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogpr
 from jaxllm.sampling_params import SamplingParams
 from server.errors import OpenAIError, error_body
 from server.metrics import RequestTimer, ServerMetrics
-from server.protocol import ModelCard, ModelList, SamplingFields, UsageInfo
+from server.protocol import (LogprobEntry, ModelCard, ModelList, PromptLogprobs, SamplingFields,
+                             UsageInfo)
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
 
+# OpenAI's JSON stand-in for -inf.
+MIN_LOGPROB = -9999.0
 # A request fans out into n sequences; past this the server would only queue itself to death.
 MAX_N = 128
 MAX_STOP_STRINGS = 64
@@ -42,6 +45,13 @@ class OpenAIServing:
         return ModelList([ModelCard(id=name, max_model_len=self.max_model_len, root=root)
                           for name in self.served_model_names])
 
+    def require_tokenizer(self, param: str | None = None):
+        """The tokenizer; 400 on a server started without one (dummy presets)."""
+        if self.tokenizer is None:
+            raise OpenAIError("This server was started without a tokenizer: only token-id "
+                              "prompts on /v1/completions are supported.", param=param)
+        return self.tokenizer
+
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
             return self.served_model_names[0]
@@ -49,8 +59,12 @@ class OpenAIServing:
 
     # -- sampling -------------------------------------------------------------------------------
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, prompt_len: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         self.check_lengths(prompt_len, max_tokens)
+        if request.prompt_logprobs is not None and request.stream:
+            raise OpenAIError("`prompt_logprobs` are not available when `stream=True`.",
+                              param="prompt_logprobs")
         if not 1 <= request.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {request.n}.", param="n")
         bad_ids = [t for t in request.stop_token_ids or () if not 0 <= t < self.engine.vocab_size]
@@ -61,6 +75,8 @@ class OpenAIServing:
         if stop is not None and len(stop) > MAX_STOP_STRINGS:
             raise OpenAIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, "
                               f"got {len(stop)}.", param="stop")
+        if stop:  # stop strings are found in detokenised text
+            self.require_tokenizer("stop")
         try:
             return SamplingParams(
                 n=request.n,
@@ -80,6 +96,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens)
         except ValueError as error:
@@ -197,8 +214,9 @@ class Delta:
 class DeltaTracker:
     """Turns cumulative CompletionOutputs into per-choice deltas for streaming."""
 
-    def __init__(self, with_logprobs: bool) -> None:
-        self.with_logprobs = with_logprobs  # then a token without text still makes a delta
+    def __init__(self, every_token: bool) -> None:
+        # Logprobs, token ids or no tokenizer: a token without text still makes a delta.
+        self.every_token = every_token
         self.text_len: dict[int, int] = {}
         self.num_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
@@ -212,7 +230,7 @@ class DeltaTracker:
         text = completion.text[start_text:]
         num_new = len(completion.token_ids) - start_token
         if not text and completion.finish_reason is None and (
-                num_new <= 0 or not self.with_logprobs):
+                num_new <= 0 or not self.every_token):
             return None
         self.text_len[index] = max(start_text, len(completion.text))
         self.num_tokens[index] = len(completion.token_ids)
@@ -224,10 +242,24 @@ class DeltaTracker:
         return Delta(text, completion.token_ids[start_token:end], logprobs, first)
 
 
-def token_text(tokenizer, token_id: int, logprob: Logprob) -> str:
-    if logprob.decoded_token is not None:
+def token_text(tokenizer, token_id: int, logprob: Logprob | None) -> str:
+    """The token as text; vLLM's `token_id:N` form without a tokenizer."""
+    if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
-    return tokenizer.decode([token_id])
+    return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def prompt_logprobs_body(steps: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """The engine's prompt logprobs as vLLM returns them (-inf clamped to -9999)."""
+    if steps is None:
+        return None
+    return [None if step is None else
+            {t: LogprobEntry(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
+             for t, lp in step.items()} for step in steps]
 
 
 def sse(encoder, chunk) -> bytes:

@@ -16,8 +16,9 @@ from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequ
                              ChatCompletionResponse, ChatLogprobs, ChatMessage,
                              ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
                              DeltaMessage, TopLogprob)
-from server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, sse, stream_error, token_text,
-                            top_entries, usage)
+from server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, clamp_logprob,
+                            prompt_logprobs_body, sse, stream_error, token_text, top_entries,
+                            usage)
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Arguments of apply_chat_template that chat_template_kwargs may not override.
@@ -38,15 +39,16 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessage], add_generat
                           "true.", param="continue_final_message")
     conversation = [{"role": _role(m), "content": _content_text(m)} for m in messages]
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
+    tokenizer = serving.require_tokenizer("messages")
     try:
-        text = serving.tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             conversation, chat_template=serving.chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **kwargs)
     except Exception as error:  # noqa: BLE001 - template errors are the request's fault
         raise OpenAIError(f"Could not apply the chat template: {error}",
                           param="messages") from None
-    return text, serving.tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def _role(message: ChatMessage) -> str:
@@ -82,7 +84,8 @@ class ChatServing:
                                        request.chat_template_kwargs)
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
-        params = self.serving.sampling_params(request, max_tokens, len(prompt_ids), num_logprobs)
+        params = self.serving.sampling_params(request, max_tokens, len(prompt_ids), num_logprobs,
+                                              request.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = await self.serving.start([(prompt_ids, text)], params, request_id)
         if request.stream:
@@ -99,7 +102,8 @@ class ChatServing:
         choices = [ChatChoice(c.index, ChatResponseMessage(content=c.text),
                               self._logprobs(c.token_ids, c.logprobs, num_logprobs),
                               c.finish_reason, c.stop_reason) for c in final.outputs]
-        body = ChatCompletionResponse(request_id, model, choices, usage([final]))
+        body = ChatCompletionResponse(request_id, model, choices, usage([final]),
+                                      prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs))
         return Response(_ENCODER.encode(body), media_type="application/json")
 
     def _logprobs(self, token_ids: list[int], steps: SampleLogprobs | None,
@@ -109,9 +113,9 @@ class ChatServing:
         content = []
         for token_id, step in zip(token_ids, steps):
             text = token_text(self.tokenizer, token_id, step[token_id])
-            tops = [_top(token_text(self.tokenizer, t, lp), lp.logprob)
+            tops = [_top(token_text(self.tokenizer, t, lp), clamp_logprob(lp.logprob))
                     for t, lp in top_entries(step, num)]
-            content.append(ChatTokenLogprob(text, step[token_id].logprob,
+            content.append(ChatTokenLogprob(text, clamp_logprob(step[token_id].logprob),
                                             list(text.encode()), tops))
         return ChatLogprobs(content)
 

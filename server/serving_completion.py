@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
-from jaxllm.outputs import RequestOutput, SampleLogprobs
+from jaxllm.outputs import Logprob, RequestOutput
 from server.errors import OpenAIError
 from server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                              CompletionRequest, CompletionResponse)
-from server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, sse, stream_error,
-                            token_text, top_entries,
+from server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, clamp_logprob,
+                            prompt_logprobs_body, sse, stream_error, token_text, top_entries,
                             usage)
 
 MAX_PROMPTS = 1024
@@ -30,13 +30,13 @@ class CompletionServing:
         model = self.serving.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported.", param="suffix")
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError("echo with logprobs is not supported: the engine does not "
-                              "compute prompt logprobs.", param="echo")
         prompts = self._prompts(request.prompt)
         longest = max(len(ids) for ids, _ in prompts)
+        # As vLLM: echo with logprobs needs the prompt's logprobs too.
+        prompt_logprobs = (request.logprobs if request.prompt_logprobs is None and request.echo
+                           else request.prompt_logprobs)
         params = self.serving.sampling_params(request, request.max_tokens, longest,
-                                              request.logprobs)
+                                              request.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = await self.serving.start(prompts, params, request_id)
         if request.stream:
@@ -45,16 +45,17 @@ class CompletionServing:
                 self._stream(request, prompts, outputs, request_id, model, include_usage),
                 media_type="text/event-stream")
         finals = await _collect(outputs, len(prompts))
-        choices = [self._choice(request, prompts[p][1], output, p)
+        choices = [self._choice(request, prompts[p], output, p)
                    for p, output in enumerate(finals)]
         body = CompletionResponse(request_id, model, [c for cs in choices for c in cs],
                                   usage=usage(finals))
         return Response(_ENCODER.encode(body), media_type="application/json")
 
-    def _prompts(self, prompt) -> list[tuple[list[int], str]]:
-        """[(token ids, text)], one per prompt; validates the union msgspec cannot express."""
+    def _prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+        """[(token ids, text)], one per prompt; validates the union msgspec cannot express.
+        Without a tokenizer only token ids are accepted, and the text is None."""
         if isinstance(prompt, str):
-            return [(self.tokenizer.encode(prompt), prompt)]
+            return [(self.serving.require_tokenizer("prompt").encode(prompt), prompt)]
         if not prompt:
             raise OpenAIError("prompt cannot be empty.", param="prompt")
         if len(prompt) > MAX_PROMPTS:
@@ -64,7 +65,8 @@ class CompletionServing:
         if kinds == {int}:
             prompt = [prompt]
         elif kinds == {str}:
-            return [(self.tokenizer.encode(p), p) for p in prompt]
+            tokenizer = self.serving.require_tokenizer("prompt")
+            return [(tokenizer.encode(p), p) for p in prompt]
         elif kinds != {list}:
             raise OpenAIError("prompt must be a string, a list of strings, a list of token ids "
                               "or a list of token-id lists.", param="prompt")
@@ -72,54 +74,83 @@ class CompletionServing:
             raise OpenAIError("prompt cannot be empty.", param="prompt")
         return [(ids, self._decode_prompt(ids)) for ids in prompt]
 
-    def _decode_prompt(self, ids: list[int]) -> str:
-        if any(not 0 <= t < len(self.tokenizer) for t in ids):
-            bad = next(t for t in ids if not 0 <= t < len(self.tokenizer))
-            raise OpenAIError(f"Token id {bad} is out of vocabulary (vocab size "
-                              f"{len(self.tokenizer)}).", param="prompt")
-        return self.tokenizer.decode(ids)
+    def _decode_prompt(self, ids: list[int]) -> str | None:
+        vocab = self.serving.engine.vocab_size if self.tokenizer is None else len(self.tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(f"Token id {bad} is out of vocabulary (vocab size {vocab}).",
+                              param="prompt")
+        return None if self.tokenizer is None else self.tokenizer.decode(ids)
 
-    def _choice(self, request: CompletionRequest, prompt_text: str, output: RequestOutput,
-                prompt_index: int) -> list[CompletionChoice]:
-        prefix = prompt_text if request.echo else ""
+    def _choice(self, request: CompletionRequest, prompt: tuple[list[int], str | None],
+                output: RequestOutput, prompt_index: int) -> list[CompletionChoice]:
+        prompt_ids, prompt_text = prompt
+        echo_ids, echo_steps = self._echo(request, prompt_ids, output)
         return [CompletionChoice(
-            index=prompt_index * request.n + c.index, text=prefix + c.text,
-            logprobs=self._logprobs(c.token_ids, c.logprobs, request.logprobs, len(prefix)),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in output.outputs]
+            index=prompt_index * request.n + c.index,
+            text=((prompt_text or "") if request.echo else "") + c.text,
+            logprobs=self._logprobs(echo_ids + c.token_ids, echo_steps + (c.logprobs or []),
+                                    request.logprobs, 0),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            prompt_logprobs=prompt_logprobs_body(output.prompt_logprobs),
+            prompt_token_ids=prompt_ids if request.return_token_ids else None,
+            token_ids=c.token_ids if request.return_token_ids else None)
+            for c in output.outputs]
 
-    def _logprobs(self, token_ids: list[int], steps: SampleLogprobs | None, num: int | None,
-                  offset: int) -> CompletionLogprobs | None:
-        if num is None or steps is None:
+    @staticmethod
+    def _echo(request: CompletionRequest, prompt_ids: list[int],
+              output: RequestOutput) -> tuple[list[int], list]:
+        """The prompt's tokens and logprob steps that lead the choice's logprobs under echo."""
+        if not request.echo or request.logprobs is None:
+            return [], []
+        return prompt_ids, list(output.prompt_logprobs)
+
+    def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob] | None],
+                  num: int | None, offset: int) -> CompletionLogprobs | None:
+        """OpenAI's legacy logprobs; a step of None (the first prompt token) has null values."""
+        if num is None:
             return None
         result = CompletionLogprobs()
         for token_id, step in zip(token_ids, steps):
-            text = token_text(self.tokenizer, token_id, step[token_id])
+            chosen = None if step is None else step[token_id]
+            text = token_text(self.tokenizer, token_id, chosen)
             result.tokens.append(text)
-            result.token_logprobs.append(step[token_id].logprob)
-            result.top_logprobs.append({token_text(self.tokenizer, t, lp): lp.logprob
-                                        for t, lp in top_entries(step, num)})
+            result.token_logprobs.append(None if chosen is None else clamp_logprob(chosen.logprob))
+            result.top_logprobs.append(
+                None if step is None else {token_text(self.tokenizer, t, lp): clamp_logprob(
+                    lp.logprob) for t, lp in top_entries(step, num)})
             result.text_offset.append(offset)
             offset += len(text)
         return result
 
     async def _stream(self, request: CompletionRequest, prompts, outputs: AsyncIterator,
                       request_id: str, model: str, include_usage: bool):
-        tracker, finals, offsets = DeltaTracker(request.logprobs is not None), {}, {}
+        every_token = (request.logprobs is not None or request.return_token_ids
+                       or self.tokenizer is None)
+        tracker, finals, offsets = DeltaTracker(every_token), {}, {}
         created = int(time.time())
         try:
             async for prompt_index, output in outputs:
+                prompt_ids, prompt_text = prompts[prompt_index]
                 for c in output.outputs:
                     index = prompt_index * request.n + c.index
                     delta = tracker.delta(index, c)
                     if delta is None:
                         continue
-                    prefix = prompts[prompt_index][1] if request.echo and delta.first else ""
-                    offset = offsets.get(index, 0) + len(prefix)
-                    logprobs = self._logprobs(delta.token_ids, delta.logprobs or None,
-                                              request.logprobs, offset)
-                    offsets[index] = offset + len(delta.text)
-                    choice = CompletionChoice(index, prefix + delta.text, logprobs,
-                                              c.finish_reason, c.stop_reason)
+                    echo = request.echo and delta.first
+                    text = ((prompt_text or "") if echo else "") + delta.text
+                    echo_ids, echo_steps = (self._echo(request, prompt_ids, output) if echo
+                                            else ([], []))
+                    offset = offsets.get(index, 0)
+                    offsets[index] = offset + len(text)
+                    logprobs = self._logprobs(echo_ids + delta.token_ids,
+                                              echo_steps + delta.logprobs, request.logprobs,
+                                              offset)
+                    choice = CompletionChoice(
+                        index, text, logprobs, c.finish_reason, c.stop_reason,
+                        prompt_token_ids=(prompt_ids if request.return_token_ids and delta.first
+                                          else None),
+                        token_ids=delta.token_ids if request.return_token_ids else None)
                     yield sse(_ENCODER, CompletionChunk(request_id, model, [choice],
                                                         created=created))
                 if output.finished:

@@ -8,6 +8,7 @@ import random
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -230,3 +231,81 @@ def test_prompt_too_long_names_numbers(client):
         client.completions.create(model="tiny", prompt=[7] * 120, max_tokens=16)
     message = info.value.body["message"]
     assert "128" in message and "136" in message and "120" in message and "16" in message
+
+
+@pytest.fixture(scope="module")
+def hf_log_softmax(tiny_llama_dir):
+    """The reference: HF transformers' log_softmax over the next token at every position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+
+    def run(token_ids: list[int]):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([token_ids])).logits[0], -1).numpy()
+    return run
+
+
+def assert_prompt_logprobs_match(prompt_logprobs, token_ids, reference, num_top):
+    """vLLM's wire form: [null, {"token id": {logprob, rank, decoded_token}}, ...]."""
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(token_ids)
+    for position in range(1, len(token_ids)):
+        expected, token = reference[position - 1], token_ids[position]
+        entry = prompt_logprobs[position]
+        assert entry[str(token)]["logprob"] == pytest.approx(expected[token], abs=1e-4)
+        assert entry[str(token)]["rank"] == int((expected >= expected[token]).sum())
+        for top in np.argsort(-expected)[:num_top]:
+            assert entry[str(top)]["logprob"] == pytest.approx(expected[top], abs=1e-4)
+
+
+def test_echo_logprobs_cover_the_prompt(client, hf_log_softmax):
+    prompt = random.Random(3).choices(range(3, 300), k=13)
+    reference = hf_log_softmax(prompt)
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                       logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                       logprobs=2, echo=True,
+                                       extra_body={"ignore_eos": True, "prompt_logprobs": 3})
+    choice = echoed.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 1
+    # The first prompt token has no context: null, as OpenAI and vLLM.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for position in range(1, len(prompt)):
+        expected = reference[position - 1]
+        assert lp.token_logprobs[position] == pytest.approx(expected[prompt[position]], abs=1e-4)
+        # Keyed by text: byte tokens that decode alike ("\ufffd") share one key.
+        top2 = np.sort(expected)[-2:]
+        top = lp.top_logprobs[position]
+        assert 1 <= len(top) <= 2
+        assert all(np.abs(top2 - value).min() < 1e-4 for value in top.values())
+    # The generated token: as the plain (non-echo) request reports it, and as HF ranks it first.
+    assert lp.tokens[-1] == greedy.logprobs.tokens[0]
+    assert lp.token_logprobs[-1] == pytest.approx(greedy.logprobs.token_logprobs[0], abs=1e-5)
+    assert lp.token_logprobs[-1] == pytest.approx(reference[-1].max(), abs=1e-4)
+    assert choice.text.endswith(greedy.text) and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert_prompt_logprobs_match(choice.model_extra["prompt_logprobs"], prompt, reference, 3)
+
+    # Streamed, the first chunk carries the prompt's logprobs.
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=2, echo=True,
+        stream=True, extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed = [t for c in chunks for t in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+
+
+def test_chat_prompt_logprobs_match_hf(server, client, hf_log_softmax):
+    messages = [{"role": "user", "content": "paged attention keys"}]
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages},
+                        headers=server.headers).json()["tokens"]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 2})
+    assert chat.usage.prompt_tokens == len(tokens)
+    assert_prompt_logprobs_match(chat.model_extra["prompt_logprobs"], tokens,
+                                 hf_log_softmax(tokens), 2)

@@ -26,7 +26,8 @@ FIELDS = ["prompt", "messages", "model", "n", "max_tokens", "max_completion_toke
           "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
           "echo", "ignore_eos", "min_tokens", "stream", "stream_options", "tokens", "suffix",
-          "chat_template_kwargs", "add_generation_prompt", "continue_final_message"]
+          "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+          "prompt_logprobs", "return_token_ids"]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
