@@ -93,7 +93,7 @@ def instrument(engine) -> dict:
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.runner, "execute", "execute (build + launch + wait)")
-    timed(engine.runner, "_collect", "wait for device (+ fetch)")
+    timed(engine.runner, "collect", "wait for device (+ fetch)")
     timed(engine.scheduler, "update_from_output", "scheduler update")
     timed(engine.output_processor, "process", "outputs (detok)")
     return spent
@@ -125,7 +125,7 @@ def decode_8b(out: dict) -> None:
         out[f"decode_b{batch}"] = result
         print(json.dumps(result, indent=1), flush=True)
         for obj in (engine.scheduler, engine.runner, engine.output_processor):
-            for name in ("schedule", "execute", "_collect", "update_from_output", "process"):
+            for name in ("schedule", "execute", "collect", "update_from_output", "process"):
                 obj.__dict__.pop(name, None)
 
 

@@ -84,6 +84,9 @@ class RunnerConfig:
     attention_backend: str = "auto"  # auto: pallas on GPU, xla elsewhere | pallas | xla
     compilation_cache_dir: str | None = "~/.cache/jaxllm/jit"  # None disables the persistent cache
     enforce_eager: bool = False  # skip warm-up (tests that do not care about compile time)
+    # Launch step N+1 before fetching step N's tokens (vLLM's async scheduling), so the host's
+    # work between steps overlaps the device's.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "pallas", "xla"):

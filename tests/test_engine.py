@@ -1,5 +1,6 @@
 """The engine end to end against HF transformers (torch, fp32): greedy generation token for
-token, under preemption and chunked prefill; no compilation after warm-up; bad input; no leaks."""
+token, under preemption and chunked prefill; no compilation after warm-up; bad input; no leaks.
+The engine-level tests run with async scheduling off and on."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID
 
 NUM_NEW_TOKENS = 32
 
@@ -48,6 +50,25 @@ def make_llm(model_dir: str, **kwargs) -> LLM:
     return LLM(model_dir, **{**defaults, **kwargs})
 
 
+class PlaceholderCounter:
+    """Counts the placeholder tokens the engine's launched steps carried: async scheduling must
+    really launch steps before their inputs' last tokens are known, and sync never."""
+
+    def __init__(self, llm: LLM):
+        self.count = 0
+        runner = llm.llm_engine.runner
+        launch = runner.launch
+
+        def counting_launch(scheduler_output):
+            self.count += sum(s.token_ids.count(PLACEHOLDER_TOKEN_ID)
+                              for s in scheduler_output.scheduled)
+            return launch(scheduler_output)
+        runner.launch = counting_launch
+
+    def check(self, llm: LLM) -> None:
+        assert (self.count > 0) == llm.llm_engine.async_scheduling, self.count
+
+
 def assert_all_blocks_free(llm: LLM) -> None:
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
@@ -61,34 +82,44 @@ def hf_reference(tiny_model_dirs):
                      for kind, d in tiny_model_dirs.items()}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_hf(kind, tiny_model_dirs, hf_reference):
+@pytest.mark.parametrize("kind, async_scheduling", [
+    ("llama", False), ("qwen2", False), ("qwen3", False), ("llama", True)])
+def test_greedy_matches_hf(kind, async_scheduling, tiny_model_dirs, hf_reference):
     prompts, expected = hf_reference
-    llm = make_llm(tiny_model_dirs[kind], enforce_eager=True)
+    llm = make_llm(tiny_model_dirs[kind], enforce_eager=True, async_scheduling=async_scheduling)
+    placeholders = PlaceholderCounter(llm)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected[kind]
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    placeholders.check(llm)
     assert_all_blocks_free(llm)
 
 
-def test_greedy_matches_hf_under_preemption(tiny_model_dirs, hf_reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_matches_hf_under_preemption(async_scheduling, tiny_model_dirs, hf_reference):
     prompts, expected = hf_reference
     # 6 prompts of up to 45 + 32 tokens in 8-token blocks need ~60 blocks at once: 20 forces
     # the newest running requests out and back in (recompute).
-    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks_override=20, enforce_eager=True)
+    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks_override=20, enforce_eager=True,
+                   async_scheduling=async_scheduling)
+    placeholders = PlaceholderCounter(llm)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected["llama"]
     assert llm.llm_engine.get_stats()["num_preemptions_total"] > 0
+    placeholders.check(llm)
     assert_all_blocks_free(llm)
 
 
-def test_greedy_matches_hf_with_chunked_prefill(tiny_model_dirs, hf_reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_matches_hf_with_chunked_prefill(async_scheduling, tiny_model_dirs, hf_reference):
     prompts, expected = hf_reference
     # A budget of 8 tokens per step chunks every prompt longer than 8 (and most are).
     llm = make_llm(tiny_model_dirs["llama"], max_num_batched_tokens=8, max_num_seqs=4,
-                   enforce_eager=True)
+                   enforce_eager=True, async_scheduling=async_scheduling)
+    placeholders = PlaceholderCounter(llm)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected["llama"]
+    placeholders.check(llm)
     assert_all_blocks_free(llm)
 
 
@@ -101,8 +132,10 @@ class CompileCounter:
             self.count += 1
 
 
-def test_no_compilation_after_warmup(tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=32)  # warm-up on
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_compilation_after_warmup(async_scheduling, tiny_llama_dir):
+    # warm-up on
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=32, async_scheduling=async_scheduling)
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
@@ -124,9 +157,9 @@ def test_no_compilation_after_warmup(tiny_llama_dir):
     assert_all_blocks_free(llm)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir, enforce_eager=True)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request, tiny_llama_dir):
+    return make_llm(tiny_llama_dir, enforce_eager=True, async_scheduling=request.param)
 
 
 def test_seeded_sampling_ignores_batch_composition(llm):
@@ -210,14 +243,16 @@ def test_abort_frees_blocks(llm):
     np.testing.assert_equal(engine.has_unfinished_requests(), False)
 
 
-def test_prompt_logprobs_match_hf(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_match_hf(async_scheduling, tiny_llama_dir):
     """Prompt logprobs (computed chunk by chunk: the budget splits the prompt) against HF's
     log_softmax at every prompt position."""
     import torch
     from transformers import AutoModelForCausalLM
 
     prompt = random_prompts(7, 1, 300, lengths=(30, 30))[0]
-    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16, enforce_eager=True)
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16, enforce_eager=True,
+                   async_scheduling=async_scheduling)
     out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=3),
                        use_tqdm=False)[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)

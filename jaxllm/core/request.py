@@ -39,6 +39,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens granted to be sampled by launched steps whose results are not in yet (async
+        # scheduling, as vLLM's num_output_placeholders); they follow all_token_ids.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
@@ -54,6 +57,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

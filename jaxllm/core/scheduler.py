@@ -6,6 +6,15 @@ of one. Running requests are served in order, then waiting ones first-come first
 the pool runs out of blocks for a running request, the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue with
 num_computed_tokens = 0 (its prompt is now all its tokens so far).
+
+Async scheduling (vLLM's num_output_placeholders): a grant that samples leaves one placeholder
+on the request until update_from_output() brings the token. The engine may call schedule() for
+step N+1 before step N's tokens are in: a request whose last token is such a placeholder is then
+granted it as its next decode token, with token id PLACEHOLDER_TOKEN_ID, which the runner
+replaces on device with the token step N sampled. The next schedule() must come after step N's
+update (the engine's order), so every grant holds at most one placeholder, and a preempted
+request is recomputed from real tokens only. A request that will end by length once its
+placeholder resolves gets no further grant; one that ends on a stop token wastes one.
 """
 
 from __future__ import annotations
@@ -19,15 +28,17 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 
+PLACEHOLDER_TOKEN_ID = -1  # in ScheduledRequest.token_ids: sampled by the step still in flight
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
     """What one request contributes to a step."""
     request_id: str
-    token_ids: list[int]  # the tokens computed this step
+    token_ids: list[int]  # the tokens computed this step; a placeholder may end them
     num_computed_tokens: int  # position of token_ids[0]
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # before the token this grant samples (placeholders included)
     block_ids: list[int]  # the whole block table (a snapshot)
     # The ids this grant appended to block_ids; all of them when num_computed_tokens == 0. A
     # runner that keeps block tables across steps copies only these.
@@ -35,6 +46,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     samples: bool  # this grant reaches the last known token, so the step yields a new one
     next_token_id: int  # the known token after token_ids (-1 if none): prompt logprobs need it
+    # The request itself: its sampled token goes to this object only, never to a later request
+    # that reuses the id after this one finished.
+    request: Request
 
 
 @dataclass(slots=True)
@@ -116,6 +130,9 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
+        """Its tokens still in flight are void: their step's blocks go back to the pool, which is
+        safe because only steps launched later can write them."""
+        request.num_output_placeholders = 0
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -146,6 +163,8 @@ class Scheduler:
         while (not preempted_ids and self.waiting and token_budget > 0
                and len(running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted with a token in flight: recompute
+                break  # only once that token is known (after update_from_output)
             num_new_tokens = self._num_new_tokens(request, token_budget)
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_block_ids is None:
@@ -161,9 +180,18 @@ class Scheduler:
                                finished_ids, preempted_ids)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        if request.num_output_placeholders and self._length_capped(
+                request.num_tokens_with_placeholders,
+                request.num_output_tokens + request.num_output_placeholders, request):
+            return 0  # its token in flight is its last, whatever its id
         num_computed = request.num_computed_tokens
-        return min(request.num_tokens - num_computed, token_budget,
+        return min(request.num_tokens_with_placeholders - num_computed, token_budget,
                    self.max_model_len - num_computed)
+
+    def _length_capped(self, num_tokens: int, num_output_tokens: int, request: Request) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        return (num_tokens >= self.max_model_len
+                or (max_tokens is not None and num_output_tokens >= max_tokens))
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
                              preempted_ids: set[str]) -> list[int] | None:
@@ -188,34 +216,47 @@ class Scheduler:
 
     def _grant(self, request: Request, num_new_tokens: int,
                new_block_ids: list[int]) -> ScheduledRequest:
-        """Describes the grant and advances num_computed_tokens past it (as vLLM)."""
+        """Describes the grant and advances num_computed_tokens past it (as vLLM); a grant that
+        samples adds a placeholder for its token."""
         start = request.num_computed_tokens
         end = start + num_new_tokens
         request.num_computed_tokens = end
         all_token_ids = request.all_token_ids  # len() directly: this runs per request per step
+        num_tokens = len(all_token_ids)
+        num_placeholders = request.num_output_placeholders
+        token_ids = all_token_ids[start:end]
+        if end > num_tokens:
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (end - max(start, num_tokens))
+        samples = end == num_tokens + num_placeholders
+        request.num_output_placeholders += samples
         return ScheduledRequest(
-            request.request_id, all_token_ids[start:end], start,
-            len(request.prompt_token_ids), len(request.output_token_ids),
+            request.request_id, token_ids, start, len(request.prompt_token_ids),
+            len(request.output_token_ids) + num_placeholders,
             self.kv_cache_manager.get_block_ids(request.request_id).copy(), new_block_ids,
-            request.sampling_params, end == len(all_token_ids),
-            all_token_ids[end] if end < len(all_token_ids) else -1)
+            request.sampling_params, samples, all_token_ids[end] if end < num_tokens else -1,
+            request)
 
     # ---- results ----
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Appends each sampling request's new token and finishes those that hit a stop; returns
-        the requests that got a token, finished ones included."""
+        """Replaces each sampling request's oldest placeholder with its new token and finishes
+        those that hit a stop; returns the requests that got a token, finished ones included.
+        A request preempted after this step was launched still gets its token."""
         updated: list[Request] = []
         any_finished = False
         for sched in scheduler_output.scheduled:
             if not sched.samples:
                 continue
-            request = self.requests.get(sched.request_id)
-            if request is None:  # finished or aborted since it was scheduled
+            request = sched.request
+            if request.is_finished():  # finished or aborted since it was scheduled
                 continue
+            request.num_output_placeholders -= 1
             request.append_output_token_id(sampled_token_ids[sched.request_id])
+            was_preempted = request.status == RequestStatus.PREEMPTED
             if self._check_stop(request):
+                if was_preempted:
+                    self.waiting.remove(request)
                 self._free_request(request)
                 any_finished = True
             updated.append(request)
@@ -226,12 +267,10 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """Sets a finished status when the request's last token ends it (vLLM's check_stop)."""
         params = request.sampling_params
-        num_output = request.num_output_tokens
-        if (request.num_tokens >= self.max_model_len
-                or (params.max_tokens is not None and num_output >= params.max_tokens)):
+        if self._length_capped(request.num_tokens, request.num_output_tokens, request):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        if num_output < params.min_tokens:
+        if request.num_output_tokens < params.min_tokens:
             return False
         last_token_id = request.output_token_ids[-1]
         if last_token_id in params.stop_token_ids:

@@ -30,6 +30,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = "~/.cache/jaxllm/jit"
     enforce_eager: bool = False
     served_model_name: str | None = None
+    async_scheduling: bool = False
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """model_max_len: the model's own limit (max_position_embeddings), known after loading."""
@@ -58,7 +59,7 @@ class EngineArgs:
             runner_config=RunnerConfig(
                 attention_backend=self.attention_backend,
                 compilation_cache_dir=self.compilation_cache_dir,
-                enforce_eager=self.enforce_eager))
+                enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,4 +1,11 @@
-"""EngineCore: one engine iteration is schedule -> jitted step -> scheduler update -> outputs."""
+"""EngineCore: one engine iteration is schedule -> jitted step -> scheduler update -> outputs.
+
+With async scheduling an iteration launches step N+1 before it fetches step N's tokens, so the
+device runs N+1 while the host updates the scheduler and detokenises N; the scheduler's
+placeholders stand for the tokens in flight. Blocks freed by N's results (finished requests,
+including a stop string found now) are safe to hand out: only steps launched later can write
+them, and the device runs steps in launch order.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +17,14 @@ import jax
 import numpy as np
 
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.scheduler import Scheduler
+from jaxllm.core.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.output_processor import OutputProcessor, child_request_id
 from jaxllm.outputs import RequestOutput
 from jaxllm.sample.metadata import check_min_tokens_stop_ids
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import kv_cache
-from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.model_runner import LaunchedStep, ModelRunner
 from pallas_kernels import kv_write, ragged_paged_attention
 from sharding.setup import engine_mesh, load_for_engine
 
@@ -87,6 +94,8 @@ class EngineCore:
         self.runner = make_runner(self.num_blocks)
         self.scheduler = Scheduler(sched, cache_config, self.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.async_scheduling = config.runner_config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         if not config.runner_config.enforce_eager:
             self.runner.warmup(progress=log)
 
@@ -153,10 +162,23 @@ class EngineCore:
 
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches a step, then returns the outputs of the step it collects: this
+        one, or with async scheduling the one launched by the previous call."""
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled:
-            return []
-        result = self.runner.execute(scheduler_output)
+        launched = None
+        if scheduler_output.scheduled:
+            launched = (scheduler_output, self.runner.launch(scheduler_output))
+        else:
+            self.runner.release(scheduler_output.finished_request_ids
+                                | scheduler_output.preempted_request_ids)
+        if self.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        return self._process(*launched) if launched else []
+
+    def _process(self, scheduler_output: SchedulerOutput,
+                 launched: LaunchedStep) -> list[RequestOutput]:
+        """Fetches a step's tokens and turns them into scheduler updates and outputs."""
+        result = self.runner.collect(launched)
         if result.prompt_logprobs:
             self.output_processor.record_prompt_logprobs(result.prompt_logprobs)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)

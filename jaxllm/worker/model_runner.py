@@ -3,22 +3,31 @@
 Host side it turns a SchedulerOutput into a StepBatch plus sampling arrays (numpy only: an eager
 jnp op here would compile for every new shape), launches the step with the KV cache and the
 penalty state donated, and fetches the sampled tokens in one device-to-host transfer.
+
+launch() returns as soon as the step is dispatched (jax dispatch is asynchronous) and collect()
+waits for its tokens, so async scheduling can launch step N+1 before collecting step N. Step
+N+1's placeholder tokens (PLACEHOLDER_TOKEN_ID: "what step N sampled for this request") are
+filled in on device from `last_sampled`, one token per penalty row that every step updates,
+before the embedding and the penalty counts see them. Device order makes this exact: step N
+wrote the row before step N+1 reads it.
 """
 
 from __future__ import annotations
 
 import logging
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from jaxllm.models import compute_logits
 from jaxllm.sample import sampler
 from jaxllm.sample.logprobs import chunked_logprobs, empty_logprobs
@@ -37,13 +46,14 @@ def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int
     return buckets + [max_num_batched_tokens]
 
 
-def _place_like_step_output(penalty_state, kv_caches):
-    """On a mesh the step returns the penalty state vocab-parallel (as the logits); placing it so
-    from the start keeps the second step from recompiling for a new input sharding."""
+def _place_on_mesh(state, kv_caches, spec: P):
+    """On a mesh the step returns the penalty state vocab-parallel (as the logits) and
+    last_sampled replicated; placing them so from the start keeps the second step from
+    recompiling for a new input sharding."""
     sharding = kv_caches[0][0].sharding
     if not isinstance(sharding, NamedSharding):
-        return penalty_state
-    return jax.device_put(penalty_state, NamedSharding(sharding.mesh, P(None, "tensor")))
+        return state
+    return jax.device_put(state, NamedSharding(sharding.mesh, spec))
 
 
 # (chosen token's logprob, its rank, top ids, top logprobs)
@@ -63,6 +73,15 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, LogprobEntry]]]
 
 
+@dataclass
+class LaunchedStep:
+    """A dispatched step whose results are still on device."""
+    scheduled: list[ScheduledRequest]
+    cu_q_lens: np.ndarray  # [S + 1] of the step's batch
+    out: tuple  # (SamplerOutput, prompt LogprobsTensors) on device
+    want_prompt: list[int]  # batch indices of the requests that get prompt logprobs
+
+
 class ModelRunner:
     def __init__(self, model_fn: Callable, params, kv_caches, *, vocab_size: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -72,38 +91,46 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = token_buckets(max_num_batched_tokens)
-        self.penalty_state = _place_like_step_output(
-            sampler.init_penalty_state(max_num_seqs, vocab_size), kv_caches)
+        self.penalty_state = _place_on_mesh(
+            sampler.init_penalty_state(max_num_seqs, vocab_size), kv_caches, P(None, "tensor"))
+        # [max_num_seqs + 1] the token each penalty row's request sampled last
+        self.last_sampled = _place_on_mesh(jnp.zeros(max_num_seqs + 1, jnp.int32), kv_caches, P())
         self.garbage_row = max_num_seqs  # padding sequences and tokens use the last row
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}
 
-        def step(params, kv_caches, penalty_state, packed_inputs, layout):
-            (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows,
+        def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout):
+            (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
              next_prompt_ids, any_prompt_logprobs) = unpack(packed_inputs, layout)
+            batch = dataclasses.replace(batch, token_ids=jnp.where(
+                batch.token_ids == PLACEHOLDER_TOKEN_ID, last_sampled[token_rows],
+                batch.token_ids))
             logits, kv_caches, hidden = model_fn(params, kv_caches, batch, return_hidden=True)
             penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, token_rows,
                                                   token_is_output, reset_rows)
             out = sampler.sample(logits, sampling_md, penalty_state, seq_rows)
+            last_sampled = last_sampled.at[sample_rows].set(out.token_ids)
             prompt_logprobs = jax.lax.cond(
                 any_prompt_logprobs,
                 lambda: chunked_logprobs(partial(compute_logits, params), hidden,
                                          next_prompt_ids),
                 lambda: empty_logprobs(hidden.shape[0]))
-            return (out, prompt_logprobs), kv_caches, penalty_state
+            return (out, prompt_logprobs), kv_caches, penalty_state, last_sampled
 
-        self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(4,))
+        self._step = jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(5,))
 
-    def _launch(self, inputs: tuple):
+    def _dispatch(self, inputs: tuple):
         """Runs the step on (batch, sampling_md, token_rows, token_is_output, reset_rows,
-        seq_rows, next_prompt_ids, any_prompt_logprobs), sent as one packed buffer."""
+        seq_rows, sample_rows, next_prompt_ids, any_prompt_logprobs), sent as one packed
+        buffer."""
         packed, layout = pack(inputs)
-        out, self.kv_caches, self.penalty_state = self._step(
-            self.params, self.kv_caches, self.penalty_state, packed, layout)
+        out, self.kv_caches, self.penalty_state, self.last_sampled = self._step(
+            self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed, layout)
         return out
 
     # -- per-request state ------------------------------------------------------------------
-    def _release(self, request_ids) -> None:
+    def release(self, request_ids) -> None:
+        """Frees the penalty rows of finished or preempted requests."""
         for request_id in request_ids:
             row = self._rows.pop(request_id, None)
             if row is not None:
@@ -121,8 +148,12 @@ class ModelRunner:
         return num_tokens_padded, min(num_tokens_padded, self.max_num_seqs)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._release(scheduler_output.finished_request_ids)
-        self._release(scheduler_output.preempted_request_ids)
+        return self.collect(self.launch(scheduler_output))
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Builds the step's inputs and dispatches it; returns without waiting for the device."""
+        self.release(scheduler_output.finished_request_ids)
+        self.release(scheduler_output.preempted_request_ids)
         scheduled = scheduler_output.scheduled
         num_tokens_padded, num_seqs_padded = self.bucket_for(scheduler_output.num_scheduled_tokens)
         batch = build_step_batch(
@@ -138,6 +169,8 @@ class ModelRunner:
         seq_rows[:num_seqs] = rows
         reset_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
         reset_rows[:num_seqs] = np.where(first_chunk, rows, self.garbage_row)
+        sample_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
+        sample_rows[:num_seqs] = np.where([s.samples for s in scheduled], rows, self.garbage_row)
         token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
         token_rows[:num_tokens] = np.repeat(rows, q_lens)
         token_is_output = np.zeros(num_tokens_padded, bool)
@@ -149,9 +182,10 @@ class ModelRunner:
             seeds=[s.sampling_params.seed for s in scheduled],  # the engine sets every seed
             num_seqs_padded=num_seqs_padded)
         next_prompt_ids, want_prompt = self._next_prompt_ids(scheduled, batch, num_tokens_padded)
-        out = self._launch((batch, sampling_md, token_rows, token_is_output, reset_rows,
-                            seq_rows, next_prompt_ids, np.array(bool(want_prompt))))
-        return self._collect(scheduled, batch, out, want_prompt)
+        out = self._dispatch((batch, sampling_md, token_rows, token_is_output, reset_rows,
+                              seq_rows, sample_rows, next_prompt_ids,
+                              np.array(bool(want_prompt))))
+        return LaunchedStep(scheduled, batch.cu_q_lens, out, want_prompt)
 
     @staticmethod
     def _next_prompt_ids(scheduled, batch, num_tokens_padded: int):
@@ -169,8 +203,10 @@ class ModelRunner:
             want.append(i)
         return next_ids, want
 
-    def _collect(self, scheduled, batch, out, want_prompt: list[int]) -> ModelRunnerOutput:
-        sample_out, prompt_out = out
+    def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Waits for the step and fetches its tokens (and logprobs) to the host."""
+        scheduled, want_prompt = launched.scheduled, launched.want_prompt
+        sample_out, prompt_out = launched.out
         want_logprobs = any(s.samples and s.sampling_params.logprobs is not None
                             for s in scheduled)
         # The one device-to-host transfer of the step.
@@ -188,7 +224,7 @@ class ModelRunner:
         prompt_logprobs = {}
         for i in want_prompt:
             s = scheduled[i]
-            start = batch.cu_q_lens[i]
+            start = launched.cu_q_lens[i]
             # token j of the chunk scores prompt token num_computed + j + 1
             last = min(len(s.token_ids), s.num_prompt_tokens - 1 - s.num_computed_tokens)
             prompt_logprobs[s.request_id] = [
@@ -208,13 +244,13 @@ class ModelRunner:
         token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
         seq_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
         return (batch, md, token_rows, np.zeros(num_tokens_padded, bool), seq_rows, seq_rows,
-                np.zeros(num_tokens_padded, np.int32), np.array(False))
+                seq_rows, np.zeros(num_tokens_padded, np.int32), np.array(False))
 
     def activation_bytes(self) -> int:
         """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
         packed, layout = pack(self._padding_inputs(self.buckets[-1]))
-        compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state, packed,
-                                    layout).compile()
+        compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state,
+                                    self.last_sampled, packed, layout).compile()
         analysis = compiled.memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
 
@@ -222,7 +258,7 @@ class ModelRunner:
         """Compiles every bucket, so that nothing compiles while serving."""
         start = time.perf_counter()
         for n, num_tokens_padded in enumerate(self.buckets):
-            out = self._launch(self._padding_inputs(num_tokens_padded))
+            out = self._dispatch(self._padding_inputs(num_tokens_padded))
             jax.block_until_ready(out)
             progress(f"warm-up: compiled bucket {n + 1}/{len(self.buckets)} "
                      f"({num_tokens_padded} tokens), {time.perf_counter() - start:.1f}s")
