@@ -12,6 +12,7 @@ import numpy as np
 import openai
 import pytest
 
+from conftest import TINY_CONFIGS, TINY_VOCAB
 from server.testing import RemoteServer
 
 API_KEY = "test-key-5e3a"
@@ -309,3 +310,65 @@ def test_chat_prompt_logprobs_match_hf(server, client, hf_log_softmax):
     assert chat.usage.prompt_tokens == len(tokens)
     assert_prompt_logprobs_match(chat.model_extra["prompt_logprobs"], tokens,
                                  hf_log_softmax(tokens), 2)
+
+
+@pytest.fixture(scope="module")
+def dummy_server(tmp_path_factory):
+    """A tiny Llama from a config.json alone: dummy weights and no tokenizer, as
+    `jaxllm serve llama-3.1-8b --load-format dummy` runs."""
+    from transformers import AutoConfig
+
+    model_dir = str(tmp_path_factory.mktemp("tiny_dummy"))
+    cfg = dict(TINY_CONFIGS["llama"])
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(model_dir)
+    remote = RemoteServer(model_dir, ["--load-format", "dummy", *SERVER_ARGS[:-4]])
+    yield remote, model_dir
+    remote.close()
+
+
+def test_token_ids_without_a_tokenizer(dummy_server):
+    from jaxllm import LLM, SamplingParams
+
+    server, model_dir = dummy_server
+    client = server.client()
+    prompts = [random.Random(seed).choices(range(TINY_VOCAB), k=9) for seed in range(2)]
+    response = client.completions.create(model=model_dir, prompt=prompts, max_tokens=5,
+                                         temperature=0, logprobs=1,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    llm = LLM(model_dir, load_format="dummy", enforce_eager=True, compilation_cache_dir=None,
+              **ENGINE_KWARGS)
+    offline = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                           use_tqdm=False)
+    del llm
+    for choice, prompt, reference in zip(response.choices, prompts, offline):
+        extra = choice.model_extra
+        assert choice.text == "" and extra["prompt_token_ids"] == prompt
+        assert extra["token_ids"] == reference.outputs[0].token_ids
+        assert choice.logprobs.tokens == [f"token_id:{t}" for t in extra["token_ids"]]
+    assert response.usage.completion_tokens == 10
+
+    for bad in ({"prompt": "hello"}, {"prompt": [[5, 6]], "stop": ["x"]}):
+        with pytest.raises(openai.BadRequestError, match="without a tokenizer"):
+            client.completions.create(model=model_dir, max_tokens=2, **bad)
+    with pytest.raises(openai.BadRequestError, match="without a tokenizer"):
+        client.chat.completions.create(model=model_dir, max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        response = httpx.post(server.url + path, json=body)
+        assert response.status_code == 400 and "without a tokenizer" in response.text
+
+
+def test_bench_serve_without_a_tokenizer(dummy_server):
+    from jaxllm.bench.datasets import random_requests
+    from jaxllm.bench.serve import benchmark
+
+    server, model_dir = dummy_server
+    requests = random_requests(6, 16, 5, vocab_size=TINY_VOCAB, seed=1)
+    result = asyncio.run(benchmark(server.url, "/v1/completions", model_dir, requests,
+                                   max_concurrency=3, ignore_eos=True, use_tqdm=False))
+    assert (result["completed"], result["failed"]) == (6, 0), result["errors"]
+    assert result["total_output_tokens"] == 30 and result["total_input_tokens"] == 96
+    # Text is empty without a tokenizer, yet every token still streams as its own chunk.
+    assert all(len(itl) == 4 for itl in result["itls"])
+    assert 0 < result["mean_ttft_ms"] and 0 < result["mean_tpot_ms"] <= result["mean_e2el_ms"]
