@@ -127,7 +127,8 @@ def test_queue_full_gets_503_and_abort_frees_waiting_requests(server):
 
 def test_non_streaming_client_that_leaves_aborts_its_request(server):
     idle = wait_idle(server)
-    body = {"prompt": "hello", "n": 16, "max_tokens": 50, "ignore_eos": True}  # ~400 steps
+    # ~3800 steps on 2 slots: seconds even on a fast machine, far past the 0.5 s read timeout
+    body = {"prompt": "hello", "n": 128, "max_tokens": 60, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body,
                    timeout=httpx.Timeout(60, read=0.5))
