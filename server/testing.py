@@ -22,15 +22,15 @@ def free_port() -> int:
 class RemoteServer:
     """Starts the server, waits (bounded) until /health answers 200; `close()` kills it."""
 
-    def __init__(self, model: str, args: list[str], api_key: str | None = None,
+    def __init__(self, model: str | None, args: list[str], api_key: str | None = None,
                  startup_timeout: float = 300.0) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
         env.pop("JAXLLM_API_KEY", None)
-        cmd = [sys.executable, "-m", "server", model, "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "server", *([model] if model else []),  # None: the default
+               "--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="jaxllm-server-", suffix=".log")

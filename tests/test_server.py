@@ -372,3 +372,19 @@ def test_bench_serve_without_a_tokenizer(dummy_server):
     # Text is empty without a tokenizer, yet every token still streams as its own chunk.
     assert all(len(itl) == 4 for itl in result["itls"])
     assert 0 < result["mean_ttft_ms"] and 0 < result["mean_tpot_ms"] <= result["mean_e2el_ms"]
+
+
+def test_serve_with_no_model_uses_the_default(default_model_dir):
+    """`jaxllm serve` with no MODEL: the built-in SmolLM2-135M-Instruct answers a chat."""
+    server = RemoteServer(None, ["--max-model-len", "128", "--max-num-seqs", "2",
+                                 "--max-num-batched-tokens", "64", "--block-size", "16",
+                                 "--num-gpu-blocks-override", "16"])
+    try:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+        chat = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+    finally:
+        server.close()
+    assert "Paris" in chat.choices[0].message.content, chat.choices[0].message.content
