@@ -157,9 +157,16 @@ def test_no_compilation_after_warmup(async_scheduling, tiny_llama_dir):
     assert_all_blocks_free(llm)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
-def llm(request, tiny_llama_dir):
-    return make_llm(tiny_llama_dir, enforce_eager=True, async_scheduling=request.param)
+@pytest.fixture(scope="module")
+def llms(tiny_llama_dir) -> dict[bool, LLM]:
+    """async_scheduling -> an engine, shared by the tests below."""
+    return {mode: make_llm(tiny_llama_dir, enforce_eager=True, async_scheduling=mode)
+            for mode in (False, True)}
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def llm(request, llms):
+    return llms[request.param]
 
 
 def test_seeded_sampling_ignores_batch_composition(llm):
@@ -268,3 +275,27 @@ def test_prompt_logprobs_match_hf(async_scheduling, tiny_llama_dir):
         top3 = np.argsort(-expected)[:3]
         assert all(entry[int(t)].logprob == pytest.approx(expected[t], abs=1e-4) for t in top3)
     assert_all_blocks_free(llm)
+
+
+def test_async_scheduling_matches_sync_with_penalties_seeds_and_stop_strings(llms):
+    """Penalties count the placeholder tokens the device filled in, seeds fold in the right
+    output index, and a stop string found after the next step was launched voids its token."""
+    prompts = random_prompts(11, 5, 300, lengths=(3, 20))
+    text = llms[False].generate([prompts[3]], greedy(12), use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 3:len(text) // 3 + 3]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5,
+                       frequency_penalty=0.7, presence_penalty=0.5),
+        SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=20, frequency_penalty=1.0),
+        SamplingParams(temperature=0.8, seed=5, min_tokens=6, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]),
+        SamplingParams(temperature=1.2, n=2, seed=3, max_tokens=9, presence_penalty=1.0),
+    ]
+    results = {}
+    for mode, llm in llms.items():
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[mode] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                          c.cumulative_logprob) for o in outputs for c in o.outputs]
+        assert_all_blocks_free(llm)
+    assert results[True] == results[False]
+    assert results[True][3][2:4] == ("stop", stop)

@@ -1,4 +1,5 @@
-"""Scheduler: grants, chunked prefill, limits, preemption, aborts, stops, and a randomised run."""
+"""Scheduler: grants, chunked prefill, limits, preemption, aborts, stops, async scheduling's
+placeholders, and a randomised run in sync and async order."""
 
 import random
 
@@ -6,6 +7,7 @@ import pytest
 
 from jaxllm.config import CacheConfig, SchedulerConfig
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID as PH
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
 
@@ -195,7 +197,138 @@ def test_add_request_rejects_bad_requests():
     assert scheduler.get_num_unfinished_requests() == 1 and scheduler.num_waiting == 1
 
 
-def test_randomised_run_with_aborts_ends_with_every_block_free():
+# ---- async scheduling: schedule() for step N+1 comes before update_from_output() of step N ----
+
+def test_async_decode_grants_placeholders_with_exact_tokens_and_blocks():
+    scheduler = make_scheduler()
+    a = make_request("a", 7, max_tokens=5)
+    scheduler.add_request(a)
+    out1 = scheduler.schedule()
+    assert grants(out1) == [("a", 0, 7, [1], True)] and a.num_output_placeholders == 1
+    out2 = scheduler.schedule()  # step 1 in flight: a decodes the token step 1 samples
+    assert grants(out2) == [("a", 7, 1, [1], True)]
+    assert out2.scheduled[0].token_ids == [PH] and out2.scheduled[0].num_output_tokens == 1
+    assert out2.scheduled[0].new_block_ids == [] and out2.scheduled[0].next_token_id == -1
+    assert a.num_output_placeholders == 2 and a.output_token_ids == []
+    assert scheduler.update_from_output(out1, {"a": 11}) == [a]
+    assert a.output_token_ids == [11] and a.num_output_placeholders == 1
+    out3 = scheduler.schedule()  # position 8 opens the second block
+    assert grants(out3) == [("a", 8, 1, [1, 2], True)]
+    assert out3.scheduled[0].token_ids == [PH] and out3.scheduled[0].new_block_ids == [2]
+    assert out3.scheduled[0].num_output_tokens == 2
+    scheduler.update_from_output(out2, {"a": 12})
+    assert a.all_token_ids == a.prompt_token_ids + [11, 12] and a.num_output_placeholders == 1
+
+
+def test_async_eos_finish_drops_the_placeholder_and_frees_blocks():
+    scheduler = make_scheduler()
+    a = make_request("a", 8, max_tokens=10, all_stop_token_ids={2})
+    scheduler.add_request(a)
+    out1 = scheduler.schedule()
+    out2 = scheduler.schedule()  # a's decode at position 8 takes a second block
+    assert grants(out2) == [("a", 8, 1, [1, 2], True)]
+    assert scheduler.update_from_output(out1, {"a": 2}) == [a]  # EOS
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.num_output_placeholders == 0
+    assert scheduler.num_running == 0 and not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_gpu_blocks - 1
+    out3 = scheduler.schedule()
+    assert out3.scheduled == [] and out3.finished_request_ids == {"a"}
+    assert scheduler.update_from_output(out2, {"a": 7}) == []  # the in-flight token is void
+    assert a.output_token_ids == [2]
+
+
+def run_async_to_finish(scheduler, request, token_ids):
+    """As run_to_finish, but each schedule() comes before the previous step's update; returns
+    the output tokens and each step's (first position, number of tokens)."""
+    scheduler.add_request(request)
+    tokens, steps, previous = iter(token_ids), [], None
+    while request.status in (RequestStatus.WAITING, RequestStatus.RUNNING) or previous:
+        out = scheduler.schedule()
+        steps += [(s.num_computed_tokens, len(s.token_ids)) for s in out.scheduled]
+        if previous is not None:
+            scheduler.update_from_output(
+                previous, {s.request_id: next(tokens) for s in previous.scheduled if s.samples})
+        previous = out if out.scheduled else None
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_gpu_blocks - 1
+    return request.output_token_ids, steps
+
+
+@pytest.mark.parametrize("num_prompt, params, num_outputs", [
+    (10, dict(max_tokens=1), 1),
+    (10, dict(max_tokens=3), 3),
+    (14, dict(max_tokens=None), 2),  # 14 + 2 = max_model_len
+    (16, dict(max_tokens=8), 1),  # the prompt fills max_model_len
+])
+def test_async_length_limits_do_not_over_schedule(num_prompt, params, num_outputs):
+    scheduler = make_scheduler(max_model_len=16)
+    request = make_request("r", num_prompt, **params)
+    output, steps = run_async_to_finish(scheduler, request, range(20, 40))
+    assert output == list(range(20, 20 + num_outputs))
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # One prefill, then a decode per token but the last: exactly what a sync run computes.
+    assert steps == [(0, num_prompt)] + [(num_prompt + i, 1) for i in range(num_outputs - 1)]
+
+
+def test_async_stop_token_wastes_one_grant_and_keeps_exact_outputs():
+    scheduler = make_scheduler(max_model_len=32)
+    request = make_request("r", 5, max_tokens=10, stop_token_ids=[7])
+    output, steps = run_async_to_finish(scheduler, request, [3, 4, 7, 9, 9])
+    assert output == [3, 4, 7] and request.stop_reason == 7
+    assert steps == [(0, 5), (5, 1), (6, 1), (7, 1)]  # (7, 1) decodes the stop token: void
+
+
+def test_async_preempted_request_gets_its_token_then_recomputes_real_tokens():
+    scheduler = make_scheduler(num_blocks=5)  # 4 usable blocks of 8 tokens
+    a, b = make_request("a", 16, max_tokens=3), make_request("b", 9, max_tokens=3)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    out1 = scheduler.schedule()
+    assert grants(out1) == [("a", 0, 16, [1, 2], True), ("b", 0, 9, [3, 4], True)]
+    out2 = scheduler.schedule()  # a's placeholder needs a block: b, the newest, is preempted
+    assert grants(out2) == [("a", 16, 1, [1, 2, 4], True)]
+    assert out2.preempted_request_ids == {"b"}
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # the pool is free again
+    # b's token is still in flight: it is not recomputed before it is known.
+    assert scheduler.schedule().scheduled == []
+    assert scheduler.update_from_output(out1, {"a": 11, "b": 12}) == [b]
+    assert b.output_token_ids == [12] and b.num_output_placeholders == 0
+    assert scheduler.update_from_output(out2, {"a": 13}) == []  # a was aborted
+    out3 = scheduler.schedule()
+    assert grants(out3) == [("b", 0, 10, [3, 4], True)]  # free queue: [3] + a's [4, 2, 1]
+    assert out3.scheduled[0].token_ids == b.prompt_token_ids + [12]
+    assert out3.scheduled[0].num_output_tokens == 1
+
+
+def test_async_preempted_request_that_stops_leaves_the_waiting_queue():
+    scheduler = make_scheduler(num_blocks=5)
+    a = make_request("a", 16, max_tokens=3)
+    b = make_request("b", 9, max_tokens=3, all_stop_token_ids={2})
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    out1 = scheduler.schedule()
+    scheduler.schedule()  # preempts b
+    assert scheduler.update_from_output(out1, {"a": 11, "b": 2}) == [a, b]
+    assert b.status == RequestStatus.FINISHED_STOPPED and scheduler.num_waiting == 0
+    assert scheduler.kv_cache_manager.get_block_ids("b") == [] and "b" not in scheduler.requests
+
+
+def test_a_reused_request_id_does_not_get_the_finished_request_token():
+    scheduler = make_scheduler()
+    old = make_request("x", 4, max_tokens=1)
+    scheduler.add_request(old)
+    out1 = scheduler.schedule()
+    scheduler.update_from_output(out1, {"x": 5})  # finished by max_tokens
+    new = make_request("x", 4, max_tokens=5)
+    scheduler.add_request(new)
+    out2 = scheduler.schedule()
+    assert scheduler.update_from_output(out1, {"x": 6}) == []  # a late (repeated) result
+    assert new.output_token_ids == [] and new.num_output_placeholders == 1
+    assert scheduler.update_from_output(out2, {"x": 7}) == [new] and new.output_token_ids == [7]
+
+
+@pytest.mark.parametrize("async_order", [False, True])
+def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
     rng = random.Random(1234)
     block_size, num_blocks, max_model_len = 8, 20, 48
     scheduler = make_scheduler(num_blocks, block_size, max_num_seqs=6, max_num_batched_tokens=24,
@@ -203,6 +336,7 @@ def test_randomised_run_with_aborts_ends_with_every_block_free():
     pool = scheduler.kv_cache_manager.block_pool
     expected_tokens = {}  # request id -> prompt + every token fed to it, kept by the test
     next_position = {}  # request id -> where its next grant must start
+    in_flight = {}  # request id -> sampling grants whose tokens are not in yet
     runner_tables = {}  # request id -> block table kept from new_block_ids, as a runner would
     requests = []
     for i in range(120):
@@ -213,6 +347,8 @@ def test_randomised_run_with_aborts_ends_with_every_block_free():
         requests.append(Request(f"r{i}", prompt, params))
     pending = list(requests)
     num_steps = 0
+    previous = None  # async order: the scheduled step whose update is still to come
+    num_placeholders_granted = 0
     while pending or scheduler.has_unfinished_requests():
         for _ in range(rng.randrange(3)):
             if pending:
@@ -220,6 +356,7 @@ def test_randomised_run_with_aborts_ends_with_every_block_free():
                 scheduler.add_request(request)
                 expected_tokens[request.request_id] = list(request.prompt_token_ids)
                 next_position[request.request_id] = 0
+                in_flight[request.request_id] = 0
         waiting_before = {r.request_id for r in scheduler.waiting}
         out = scheduler.schedule()
         num_steps += 1
@@ -231,13 +368,21 @@ def test_randomised_run_with_aborts_ends_with_every_block_free():
             next_position[request_id] = 0
         held_blocks = []
         for s in out.scheduled:
-            tokens = expected_tokens[s.request_id]
+            tokens = expected_tokens[s.request_id] + [PH] * in_flight[s.request_id]
             start = next_position[s.request_id]
+            end = start + len(s.token_ids)
             assert s.num_computed_tokens == start
-            assert s.token_ids == tokens[start:start + len(s.token_ids)]
-            assert s.samples == (start + len(s.token_ids) == len(tokens))
-            assert len(s.block_ids) == -(-(start + len(s.token_ids)) // block_size)
-            next_position[s.request_id] = start + len(s.token_ids)
+            assert s.token_ids == tokens[start:end]
+            assert s.token_ids.count(PH) <= (start > 0)  # recompute reads only real tokens
+            num_placeholders_granted += s.token_ids.count(PH)
+            assert s.samples == (end == len(tokens))
+            in_flight[s.request_id] += s.samples
+            assert len(s.block_ids) == -(-end // block_size)
+            # No grant beyond what the request's length limits allow (as in _check_fits).
+            max_tokens = s.sampling_params.max_tokens or max_model_len
+            assert end <= max(s.num_prompt_tokens,
+                              min(max_model_len, s.num_prompt_tokens + max_tokens) - 1)
+            next_position[s.request_id] = end
             if start == 0:
                 runner_tables[s.request_id] = []
             runner_tables[s.request_id] += s.new_block_ids
@@ -252,15 +397,22 @@ def test_randomised_run_with_aborts_ends_with_every_block_free():
         if rng.random() < 0.15 and scheduler.requests:  # abort a waiting or running request
             victim = rng.choice(sorted(scheduler.requests))
             scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        if async_order:
+            out, previous = previous, out
+        if out is None:
+            continue
         sampled = {s.request_id: rng.randrange(1, 60) for s in out.scheduled}
         updated = scheduler.update_from_output(out, sampled)
         for request in updated:
             expected_tokens[request.request_id].append(sampled[request.request_id])
+            in_flight[request.request_id] -= 1
             assert request.all_token_ids == expected_tokens[request.request_id]
             assert request.num_tokens <= max_model_len
+            assert request.num_output_tokens <= (request.sampling_params.max_tokens or 99)
     assert all(r.is_finished() for r in requests)
     assert {r.get_finished_reason() for r in requests} == {"stop", "length", "abort"}
     assert scheduler.num_preemptions_total > 0 and num_steps < 2000
+    assert (num_placeholders_granted > 0) == async_order
     assert pool.num_free_blocks == num_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert scheduler.kv_cache_manager.req_to_blocks == {}
