@@ -9,13 +9,14 @@ waits for its tokens, so async scheduling can launch step N+1 before collecting 
 N+1's placeholder tokens (PLACEHOLDER_TOKEN_ID: "what step N sampled for this request") are
 filled in on device from `last_sampled`, one token per penalty row that every step updates,
 before the embedding and the penalty counts see them. Device order makes this exact: step N
-wrote the row before step N+1 reads it.
+wrote the row before step N+1 reads it. The fill-in (a gather of T ids, a scatter of S) is
+compiled in always, so one program serves both modes.
 """
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from functools import partial
