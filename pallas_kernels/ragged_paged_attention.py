@@ -28,9 +28,9 @@ _MASK_INIT = -1e30
 def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
                                      num_seqs, *, sm_scale: float, sliding_window: int | None = None,
                                      soft_cap: float | None = None):
-    """Pure jnp, fixed shapes (jittable): an online softmax scanned over the B page slots.
-
-    Costs T * B * P regardless of the real lengths: the XLA fallback and the tests' reference.
+    """Pure jnp, fixed shapes (jittable): an online softmax looped over the page slots that the
+    longest live sequence uses (a while loop, so short contexts cost little under a long
+    max_model_len). Costs T * P per page slot: the XLA fallback and the tests' reference.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -44,7 +44,7 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     live = token < cu_q_lens[num_seqs[0]]
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
 
-    def page_step(carry, j):
+    def page_step(j, carry):
         m, l, acc = carry
         page = block_tables[seq, j]  # [T]
         k = k_cache[page].astype(jnp.float32)  # [T, P, Hkv, D]
@@ -62,12 +62,13 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + jnp.einsum("tkgp,tpkd->tkgd", p, v)
-        return (m_new, l, acc), None
+        return m_new, l, acc
 
     init = (jnp.full((num_tokens, num_kv_heads, group), _MASK_INIT, jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
             jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
-    (_, l, acc), _ = jax.lax.scan(page_step, init, jnp.arange(max_pages, dtype=jnp.int32))
+    num_pages = jnp.minimum((jnp.max(kv_lens) + page_size - 1) // page_size, max_pages)
+    _, l, acc = jax.lax.fori_loop(0, num_pages, page_step, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
