@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+import jax
+
 from jaxllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig,
                            SchedulerConfig)
 
@@ -19,7 +21,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs)
+    # None: max(2048, max_num_seqs) on GPU; max(512, max_num_seqs) on CPU, where compiling the
+    # larger token buckets of an unrolled model takes minutes
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -39,7 +43,9 @@ class EngineArgs:
             raise ValueError(
                 f"User-specified max_model_len ({max_model_len}) is greater than the derived "
                 f"max_model_len (max_position_embeddings={model_max_len} in the model's config).")
-        max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        default_tokens = 2048 if jax.default_backend() == "gpu" else 512
+        max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
+                                                                    self.max_num_seqs)
         return EngineConfig(
             model_config=ModelConfig(
                 model=self.model or "", dtype=self.dtype, max_model_len=max_model_len,
