@@ -92,7 +92,7 @@ def instrument(engine) -> dict:
         setattr(obj, name, wrapper)
 
     timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.runner, "execute", "execute (build + launch + wait)")
+    timed(engine.runner, "launch", "build + launch")
     timed(engine.runner, "collect", "wait for device (+ fetch)")
     timed(engine.scheduler, "update_from_output", "scheduler update")
     timed(engine.output_processor, "process", "outputs (detok)")
@@ -125,7 +125,7 @@ def decode_8b(out: dict) -> None:
         out[f"decode_b{batch}"] = result
         print(json.dumps(result, indent=1), flush=True)
         for obj in (engine.scheduler, engine.runner, engine.output_processor):
-            for name in ("schedule", "execute", "collect", "update_from_output", "process"):
+            for name in ("schedule", "launch", "collect", "update_from_output", "process"):
                 obj.__dict__.pop(name, None)
 
 

@@ -71,12 +71,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--async-scheduling", action="store_true")
     a = parser.parse_args()
     dummy = not os.path.isdir(a.model)
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,
               max_num_seqs=64, max_num_batched_tokens=2048, enforce_eager=True,
-              num_gpu_blocks_override=20000 if dummy else None)
+              num_gpu_blocks_override=20000 if dummy else None,
+              async_scheduling=a.async_scheduling)
     engine = llm.llm_engine
     results = {}
     for batch in a.batch or [1]:
