@@ -148,9 +148,6 @@ class ModelRunner:
         num_tokens_padded = next(b for b in self.buckets if b >= num_tokens)
         return num_tokens_padded, min(num_tokens_padded, self.max_num_seqs)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect(self.launch(scheduler_output))
-
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Builds the step's inputs and dispatches it; returns without waiting for the device."""
         self.release(scheduler_output.finished_request_ids)
