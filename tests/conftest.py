@@ -69,18 +69,24 @@ def _randomize(model, seed: int) -> None:
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
 
 
-def save_tiny_checkpoint(kind: str, out_dir: str, tokenizer, seed: int = 0) -> str:
+def save_random_checkpoint(config: dict, out_dir: str, tokenizer=None, seed: int = 0) -> str:
+    """An HF checkpoint of `config` (a dict with model_type) with random weights everywhere."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(TINY_CONFIGS[kind])
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    cfg = dict(config)
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     _randomize(model, seed)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def save_tiny_checkpoint(kind: str, out_dir: str, tokenizer, seed: int = 0) -> str:
+    return save_random_checkpoint(TINY_CONFIGS[kind], out_dir, tokenizer, seed)
 
 
 @pytest.fixture(scope="session")

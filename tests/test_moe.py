@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import _randomize
+from conftest import save_random_checkpoint
 from jaxllm.loader import load_model
 from jaxllm.models import forward
 from jaxllm.models.moe import grouped_experts, route
@@ -36,16 +36,7 @@ MOE_CONFIGS = {
 
 
 def save_tiny_moe(kind: str, out_dir: str, seed: int = 0) -> str:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(MOE_CONFIGS[kind])
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return save_random_checkpoint(MOE_CONFIGS[kind], out_dir, seed=seed)
 
 
 def _hf_logits(model_dir: str, token_ids: list[int]) -> np.ndarray:

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import _randomize
+from conftest import save_random_checkpoint
 
 NUM_DEVICES = 8
 MAX_TOKENS = 5
@@ -37,15 +37,7 @@ MOE_RUNS = [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
 
 
 def _save_tiny_moe(out_dir: str) -> str:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(TINY_MOE)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, 7)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return save_random_checkpoint(TINY_MOE, out_dir, seed=7)
 
 
 def _generate_all(model_dir: str, runs, vocab: int) -> dict[str, list[list[int]]]:
