@@ -101,12 +101,12 @@ class EngineCore:
 
     def _measure_num_blocks(self, make_runner, block_bytes: int) -> int:
         cache_config = self.config.cache_config
+        if kv_cache.device_memory_limit() is None:  # CPU: a fixed budget, nothing to profile
+            return max(cache_config.cpu_kv_cache_bytes // block_bytes, 0)
         probe = make_runner(2)
         available = kv_cache.device_memory_available(cache_config.gpu_memory_utilization,
                                                      probe.activation_bytes())
         del probe
-        if available is None:  # CPU: a fixed budget
-            available = cache_config.cpu_kv_cache_bytes
         return max(int(available // block_bytes), 0)
 
     # -- requests -------------------------------------------------------------------------------

@@ -26,11 +26,16 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     return [(make(), make()) for _ in range(num_layers)]
 
 
-def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes: int) -> int | None:
-    """Bytes the KV cache may take on the first device, or None where memory is not measurable."""
+def device_memory_limit() -> int | None:
+    """The first device's allocator limit in bytes, or None where memory is not measurable (CPU)."""
     stats = jax.devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
+    return stats.get("bytes_limit") if stats else None
+
+
+def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes: int) -> int:
+    """Bytes the KV cache may take on the first device: the allowed share of its memory, less
+    what is in use (weights) and the step's profiled activation peak."""
+    stats = jax.devices()[0].memory_stats()
     budget = int(stats["bytes_limit"] * gpu_memory_utilization)
     return budget - stats["bytes_in_use"] - activation_peak_bytes
 
