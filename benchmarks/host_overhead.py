@@ -18,7 +18,7 @@ from jaxllm.config import CacheConfig, SchedulerConfig
 from jaxllm.core.request import Request
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.worker.batch import SeqChunk, build_step_batch
+from jaxllm.worker.batch import BlockTables, SeqChunk, build_step_batch
 
 
 def make_decoding_scheduler(num_seqs: int, max_model_len: int, block_size: int) -> Scheduler:
@@ -33,21 +33,29 @@ def make_decoding_scheduler(num_seqs: int, max_model_len: int, block_size: int) 
     for i in range(num_seqs):
         prompt = [rng.randrange(32000) for _ in range(rng.randrange(16, max_model_len // 2))]
         scheduler.add_request(Request(f"req-{i}", prompt, params))
-    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
-        step(scheduler, rng)
     return scheduler
 
 
-def step(scheduler: Scheduler, rng: random.Random) -> tuple[float, float, float]:
-    """One host step; returns the seconds spent scheduling, building the batch, updating."""
+def step(scheduler: Scheduler, tables: BlockTables, rows: dict[str, int],
+         rng: random.Random) -> tuple[float, float, float]:
+    """One host step as the model runner does it; returns the seconds spent scheduling,
+    building the batch (block tables kept per row, as the runner keeps them), updating."""
     t0 = time.perf_counter()
     output = scheduler.schedule()
     t1 = time.perf_counter()
-    chunks = [SeqChunk(s.token_ids, s.num_computed_tokens, s.block_ids) for s in output.scheduled]
-    build_step_batch(chunks, bucket(output.num_scheduled_tokens), bucket(len(chunks)),
-                     scheduler.max_model_len // scheduler.block_size, scheduler.block_size)
+    scheduled = output.scheduled
+    seq_rows = np.fromiter((rows.setdefault(s.request_id, len(rows)) for s in scheduled),
+                           np.int32, len(scheduled))
+    for row, s in zip(seq_rows, scheduled):
+        if s.new_block_ids or s.num_computed_tokens == 0:
+            tables.append(row, s.new_block_ids, s.num_computed_tokens == 0)
+    num_seqs_padded = bucket(len(scheduled))
+    build_step_batch([SeqChunk(s.token_ids, s.num_computed_tokens) for s in scheduled],
+                     bucket(output.num_scheduled_tokens), num_seqs_padded,
+                     tables.table.shape[1], scheduler.block_size,
+                     block_tables=tables.gather(seq_rows, num_seqs_padded))
     t2 = time.perf_counter()
-    sampled = {s.request_id: rng.randrange(32000) for s in output.scheduled if s.samples}
+    sampled = {s.request_id: rng.randrange(32000) for s in scheduled if s.samples}
     t3 = time.perf_counter()
     scheduler.update_from_output(output, sampled)
     t4 = time.perf_counter()
@@ -67,8 +75,12 @@ def main() -> None:
     args = parser.parse_args()
 
     scheduler = make_decoding_scheduler(args.num_seqs, args.max_model_len, args.block_size)
+    tables = BlockTables(args.num_seqs, args.max_model_len // args.block_size)
+    rows: dict[str, int] = {}
     rng = random.Random(1)
-    times = np.array([step(scheduler, rng) for _ in range(args.steps)]) * 1e6  # [steps, 3] us
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        step(scheduler, tables, rows, rng)  # prefill until every sequence decodes
+    times = np.array([step(scheduler, tables, rows, rng) for _ in range(args.steps)]) * 1e6
     assert scheduler.num_running == args.num_seqs, "a sequence finished during the benchmark"
     columns = {"schedule": times[:, 0], "build_step_batch": times[:, 1],
                "update_from_output": times[:, 2], "total": times.sum(axis=1)}

@@ -35,17 +35,40 @@ class SeqChunk:
     """What one sequence contributes to a step."""
     token_ids: list[int]  # the tokens computed this step
     start_pos: int  # position of token_ids[0] (= num_computed_tokens)
-    block_ids: list[int]  # the sequence's whole block table
+    block_ids: list[int] | None = None  # the whole block table (unless passed as block_tables)
+
+
+class BlockTables:
+    """Block tables kept per row across steps, so a step copies only the blocks its grants
+    added instead of every sequence's whole table (most decode steps add none)."""
+
+    def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
+        self.table = np.zeros((num_rows, max_blocks_per_seq), np.int32)  # [R, B]
+        self.num_blocks = np.zeros(num_rows, np.int32)  # [R]
+
+    def append(self, row: int, new_block_ids: list[int], restart: bool) -> None:
+        """restart: the sequence starts over (a new or recomputed request): its table is
+        new_block_ids alone."""
+        start = 0 if restart else int(self.num_blocks[row])
+        self.table[row, start:start + len(new_block_ids)] = new_block_ids
+        self.num_blocks[row] = start + len(new_block_ids)
+
+    def gather(self, rows: np.ndarray, num_seqs_padded: int) -> np.ndarray:
+        """[S, B]: the tables of `rows`, then zero rows for padding sequences."""
+        out = np.zeros((num_seqs_padded, self.table.shape[1]), np.int32)
+        out[:len(rows)] = self.table[rows]
+        return out
 
 
 def build_step_batch(chunks: list[SeqChunk], num_tokens_padded: int, num_seqs_padded: int,
-                     max_blocks_per_seq: int, block_size: int) -> StepBatch:
+                     max_blocks_per_seq: int, block_size: int,
+                     block_tables: np.ndarray | None = None) -> StepBatch:
     """Flattens chunks into numpy arrays of the bucket's shape (host side, no per-token loop:
-    this runs every step, for up to max_num_seqs sequences)."""
+    this runs every step, for up to max_num_seqs sequences). block_tables [S, B], when given,
+    replaces the chunks' block_ids."""
     num_seqs = len(chunks)
     q_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int32, num_seqs)
     start_pos = np.fromiter((c.start_pos for c in chunks), np.int32, num_seqs)
-    num_blocks = np.fromiter((len(c.block_ids) for c in chunks), np.int32, num_seqs)
     cu_q_lens = np.zeros(num_seqs_padded + 1, np.int32)
     np.cumsum(q_lens, out=cu_q_lens[1:num_seqs + 1])
     num_tokens = int(cu_q_lens[num_seqs])
@@ -53,10 +76,13 @@ def build_step_batch(chunks: list[SeqChunk], num_tokens_padded: int, num_seqs_pa
         raise ValueError(f"{num_tokens} tokens / {num_seqs} seqs exceed the bucket "
                          f"({num_tokens_padded}, {num_seqs_padded}).")
     cu_q_lens[num_seqs + 1:] = num_tokens
-    block_tables = np.zeros((num_seqs_padded, max_blocks_per_seq), np.int32)
-    # A row-major boolean assignment fills each row's first num_blocks entries in order.
-    block_tables[:num_seqs][np.arange(max_blocks_per_seq) < num_blocks[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(c.block_ids for c in chunks), np.int32, int(num_blocks.sum()))
+    if block_tables is None:
+        block_tables = np.zeros((num_seqs_padded, max_blocks_per_seq), np.int32)
+        num_blocks = np.fromiter((len(c.block_ids) for c in chunks), np.int32, num_seqs)
+        # A row-major boolean assignment fills each row's first num_blocks entries in order.
+        block_tables[:num_seqs][np.arange(max_blocks_per_seq) < num_blocks[:, None]] = (
+            np.fromiter(itertools.chain.from_iterable(c.block_ids for c in chunks), np.int32,
+                        int(num_blocks.sum())))
     seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)  # [num_tokens]
     pos = start_pos[seq_of_token] + np.arange(num_tokens, dtype=np.int32) - cu_q_lens[seq_of_token]
     token_ids = np.zeros(num_tokens_padded, np.int32)

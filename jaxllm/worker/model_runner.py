@@ -32,7 +32,7 @@ from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, Schedu
 from jaxllm.models import compute_logits
 from jaxllm.sample import sampler
 from jaxllm.sample.logprobs import chunked_logprobs, empty_logprobs
-from jaxllm.worker.batch import SeqChunk, build_step_batch
+from jaxllm.worker.batch import BlockTables, SeqChunk, build_step_batch
 from jaxllm.worker.packing import pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class ModelRunner:
         self.garbage_row = max_num_seqs  # padding sequences and tokens use the last row
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}
+        self.block_tables = BlockTables(max_num_seqs + 1, self.max_blocks_per_seq)
 
         def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout):
             (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
@@ -154,12 +155,15 @@ class ModelRunner:
         self.release(scheduler_output.preempted_request_ids)
         scheduled = scheduler_output.scheduled
         num_tokens_padded, num_seqs_padded = self.bucket_for(scheduler_output.num_scheduled_tokens)
-        batch = build_step_batch(
-            [SeqChunk(s.token_ids, s.num_computed_tokens, s.block_ids) for s in scheduled],
-            num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq, self.block_size)
-
         num_seqs, num_tokens = len(scheduled), scheduler_output.num_scheduled_tokens
         rows = np.fromiter((self._row_for(s.request_id) for s in scheduled), np.int32, num_seqs)
+        for row, s in zip(rows, scheduled):
+            if s.new_block_ids or s.num_computed_tokens == 0:
+                self.block_tables.append(row, s.new_block_ids, s.num_computed_tokens == 0)
+        batch = build_step_batch(
+            [SeqChunk(s.token_ids, s.num_computed_tokens) for s in scheduled],
+            num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq, self.block_size,
+            block_tables=self.block_tables.gather(rows, num_seqs_padded))
         num_prompt = np.fromiter((s.num_prompt_tokens for s in scheduled), np.int32, num_seqs)
         first_chunk = np.fromiter((s.num_computed_tokens == 0 for s in scheduled), bool, num_seqs)
         q_lens = np.diff(batch.cu_q_lens[:num_seqs + 1])
