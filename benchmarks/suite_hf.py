@@ -4,11 +4,10 @@ batching `generate_batch`, output throughput against batch size. Run by gpu_suit
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
-from suite_plan import Recorder, plan, workload_name
+from suite_plan import Recorder, plan, worker_args, workload_name
 
 
 def build_model(p: dict):
@@ -98,13 +97,7 @@ def concurrency_item(model, device: str, batch: int, p: dict, vocab_size: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--long", action="store_true")
-    parser.add_argument("--deadline", type=float, required=True)
-    a = parser.parse_args()
+    a = worker_args()
 
     import torch
     import transformers

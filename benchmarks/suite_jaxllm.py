@@ -3,13 +3,12 @@ offline throughput vs its floor, output throughput against concurrency. Run by g
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import time
 
-from suite_plan import Recorder, plan, workload_name
+from suite_plan import Recorder, plan, worker_args, workload_name
 
 
 def make_llm(p: dict, model: str):
@@ -93,13 +92,7 @@ def _model_path(p: dict, out: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--long", action="store_true")
-    parser.add_argument("--deadline", type=float, required=True)
-    a = parser.parse_args()
+    a = worker_args()
 
     import jax
 

@@ -3,6 +3,7 @@ section runner that records each item's result or error and saves after every it
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -43,6 +44,17 @@ def plan(smoke: bool, scale: float, long: bool) -> dict:
                 concurrency_workload=(200, 180), hf_static_batch=64, hf_num_prompts=n(128),
                 hf_generate_batch_prompts=n(256), hf_concurrency=[1, 8, 64, 256],
                 hf_decode_batches=[1, 8, 64], hf_decode_steps=16)
+
+
+def worker_args() -> argparse.Namespace:
+    """The command line gpu_suite.py passes to each worker."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--long", action="store_true")
+    parser.add_argument("--deadline", type=float, required=True)
+    return parser.parse_args()
 
 
 def workload_name(input_len: int, output_len: int) -> str:
