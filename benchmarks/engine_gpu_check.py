@@ -20,7 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 
-def check_vs_hf(out: dict) -> None:
+def check_vs_hf(out: dict, async_scheduling: bool) -> None:
     """A random Llama (head_dim 128, GQA group 3) saved by HF on this machine: our engine with
     the Pallas kernel (fp32; mixed prefill/decode through a small token budget) against HF's
     greedy decoding on the GPU, token for token. (The default model's GGUF is too large to carry
@@ -67,7 +67,8 @@ def check_vs_hf(out: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
     for dtype in ("float32", "bfloat16"):
         llm = LLM(path, dtype=dtype, max_model_len=1024, max_num_seqs=8,
-                  max_num_batched_tokens=128, enforce_eager=True, gpu_memory_utilization=0.3)
+                  max_num_batched_tokens=128, enforce_eager=True, gpu_memory_utilization=0.3,
+                  async_scheduling=async_scheduling)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         same = [sum(a == b for a, b in zip(g, e)) for g, e in zip(got, expected)]
         out[f"hf_match_{dtype}"] = {"exact": [g == e for g, e in zip(got, expected)],
@@ -99,7 +100,7 @@ def instrument(engine) -> dict:
     return spent
 
 
-def decode_8b(out: dict) -> None:
+def decode_8b(out: dict, async_scheduling: bool) -> None:
     from jaxllm import LLM
     from jaxllm.bench import roofline
     from jaxllm.bench.latency import measure_decode_step
@@ -109,7 +110,7 @@ def decode_8b(out: dict) -> None:
     start = time.perf_counter()
     llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=4096,
               max_num_seqs=64, max_num_batched_tokens=2048, enforce_eager=True,
-              num_gpu_blocks_override=20000)
+              num_gpu_blocks_override=20000, async_scheduling=async_scheduling)
     out["load_s"] = time.perf_counter() - start
     engine = llm.llm_engine
     args = engine.runner  # noqa: F841 (keeps the runner alive in tracebacks)
@@ -133,17 +134,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-8b", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     a = parser.parse_args()
     os.makedirs(a.out, exist_ok=True)
     out: dict = {}
     try:
         if not a.skip_hf:
             try:
-                check_vs_hf(out)
+                check_vs_hf(out, a.async_scheduling)
             except Exception as e:  # keep going to the 8B part
                 out["hf_check_error"] = repr(e)
                 print("HF check failed:", repr(e), flush=True)
-        decode_8b(out)
+        if not a.skip_8b:
+            decode_8b(out, a.async_scheduling)
     finally:
         with open(os.path.join(a.out, "engine_gpu_check.json"), "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -36,8 +36,12 @@ def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
         for name, by_name in per_process.items()}}
 
 
-def decode_steps(engine, batch: int, context_len: int, num_steps: int, trace_dir: str) -> dict:
-    """Prefills `batch` random prompts, then traces num_steps decode-only engine steps."""
+def decode_steps(engine, batch: int, context_len: int, num_steps: int,
+                 trace_dir: str | None) -> dict:
+    """Prefills `batch` random prompts, then times num_steps decode-only engine steps, traced
+    when trace_dir is given (the trace itself slows the host)."""
+    import contextlib
+
     import jax
     import numpy as np
 
@@ -53,7 +57,9 @@ def decode_steps(engine, batch: int, context_len: int, num_steps: int, trace_dir
     while len(started) < batch:
         started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     engine.step()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    tracing = (jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir
+               else contextlib.nullcontext())
+    with tracing:
         start = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
@@ -71,7 +77,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     a = parser.parse_args()
     dummy = not os.path.isdir(a.model)
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
@@ -82,9 +88,11 @@ def main() -> None:
     engine = llm.llm_engine
     results = {}
     for batch in a.batch or [1]:
-        decode_steps(engine, batch, a.context, 2, os.path.join(a.out, "warm"))  # compile
+        decode_steps(engine, batch, a.context, 2, None)  # compile
+        untraced = decode_steps(engine, batch, a.context, 4 * a.steps, None)
         trace_dir = os.path.join(a.out, f"trace_b{batch}")
         timing = decode_steps(engine, batch, a.context, a.steps, trace_dir)
+        timing["untraced_wall_ms_per_step"] = untraced["wall_ms_per_step"]
         timing.update(kernel_summary(trace_dir, a.steps))
         results[f"b{batch}"] = timing
         print(json.dumps(timing, indent=1), flush=True)

@@ -292,41 +292,76 @@ PREFILL_TILES = [dict(block_q=16, block_k=64, num_warps=4, num_stages=2),
                  dict(block_q=32, block_k=32, num_warps=4, num_stages=3)]
 
 
+SECTIONS = ("correctness", "sweep", "split_sweep", "decode", "prefill", "mixed", "kv_write")
+
+
+def split_sweep(key, copy_GBps):
+    """Batch-1 long-context decode: KV split count x KV tile, explicit (the default picks one)."""
+    rows = []
+    for ctx in (8192, 32768):
+        for block_k in (64, 128):
+            for splits in (16, 33, 66, 132):
+                tiles = dict(block_k=block_k, num_kv_splits=splits, num_warps=4, num_stages=2)
+                rows.append(dict(guarded(decode_case, key, 1, ctx, copy_GBps, tiles, False),
+                                 tiles=tiles))
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, of {SECTIONS}")
+    parser.add_argument("--decode-seqs", default="1,8,64,256")
     args = parser.parse_args()
-    log = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    sections = set(args.sections.split(","))
+    log = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "correctness": [],
+           "decode_sweep": [], "prefill_sweep": [], "rows": []}
     save = lambda: open(f"{args.out}/results.json", "w").write(json.dumps(log, indent=1))
     log["ceilings"] = ceil = ceilings()
     print("ceilings", ceil, flush=True)
-    log["correctness"] = correctness(DECODE_TILES, PREFILL_TILES)
-    for r in log["correctness"]:
-        print(f"check {r['case']:<60} rel_err {r['rel_err']:.2e} {'ok' if r['ok'] else 'FAIL'}",
-              r.get("error", ""))
-    save()
+    if "correctness" in sections:
+        log["correctness"] = correctness(DECODE_TILES, PREFILL_TILES)
+        for r in log["correctness"]:
+            print(f"check {r['case']:<60} rel_err {r['rel_err']:.2e} "
+                  f"{'ok' if r['ok'] else 'FAIL'}", r.get("error", ""))
+        save()
     keys = iter(jax.random.split(jax.random.key(7), 256))
     key = next(keys)
-    dec_tiles, log["decode_sweep"] = sweep(
-        lambda t: decode_case(key, 64, 2048, ceil["copy_GBps"], t, False), DECODE_TILES)
-    pre_tiles, log["prefill_sweep"] = sweep(
-        lambda t: prefill_case(key, 1, 2048, 0, ceil["matmul_TFLOPs"], t, False), PREFILL_TILES)
-    save()
-    rows = log["rows"] = []
-    for num_seqs in (1, 8, 64, 256):
-        for ctx in (512, 2048, 8192, 32768):
-            rows.append(guarded(decode_case, next(keys), num_seqs, ctx, ceil["copy_GBps"], dec_tiles, True))
+    dec_tiles, pre_tiles = {}, {}  # the kernel's defaults unless swept
+    if "sweep" in sections:
+        dec_tiles, log["decode_sweep"] = sweep(
+            lambda t: decode_case(key, 64, 2048, ceil["copy_GBps"], t, False), DECODE_TILES)
+        pre_tiles, log["prefill_sweep"] = sweep(
+            lambda t: prefill_case(key, 1, 2048, 0, ceil["matmul_TFLOPs"], t, False),
+            PREFILL_TILES)
+        save()
+    if "split_sweep" in sections:
+        log["split_sweep"] = split_sweep(key, ceil["copy_GBps"])
+        save()
+    rows = log["rows"]
+    if "decode" in sections:
+        for num_seqs in map(int, args.decode_seqs.split(",")):
+            for ctx in (512, 2048, 8192, 32768):
+                rows.append(guarded(decode_case, next(keys), num_seqs, ctx, ceil["copy_GBps"],
+                                    dec_tiles, True))
+                print(rows[-1], flush=True)
+                save()
+    if "prefill" in sections:
+        for num_seqs, chunk, ctx in [(1, 512, 0), (1, 512, 2048), (1, 512, 8192), (1, 2048, 0),
+                                     (1, 2048, 2048), (1, 2048, 8192), (4, 2048, 0)]:
+            rows.append(guarded(prefill_case, next(keys), num_seqs, chunk, ctx,
+                                ceil["matmul_TFLOPs"], pre_tiles, True))
             print(rows[-1], flush=True)
             save()
-    for num_seqs, chunk, ctx in [(1, 512, 0), (1, 512, 2048), (1, 512, 8192), (1, 2048, 0),
-                                 (1, 2048, 2048), (1, 2048, 8192), (4, 2048, 0)]:
-        rows.append(guarded(prefill_case, next(keys), num_seqs, chunk, ctx, ceil["matmul_TFLOPs"],
-                                 pre_tiles, True))
+    if "mixed" in sections:
+        rows.append(guarded(mixed_case, next(keys), ceil, pre_tiles))
         print(rows[-1], flush=True)
-        save()
-    rows.append(guarded(mixed_case, next(keys), ceil, pre_tiles))
-    for num_tokens in (64, 2048):
-        rows.append(guarded(kv_write_case, next(keys), num_tokens, ceil["copy_GBps"]))
+    if "kv_write" in sections:
+        for num_tokens in (64, 2048):
+            rows.append(guarded(kv_write_case, next(keys), num_tokens, ceil["copy_GBps"]))
+            print(rows[-1], flush=True)
     save()
     print_table(log, dec_tiles, pre_tiles)
 

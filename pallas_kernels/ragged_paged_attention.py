@@ -90,7 +90,7 @@ def _next_pow2(n: int) -> int:
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_splits):
+                      group_pad, block_q, block_k, page_size, num_splits, num_kv_heads):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -116,7 +116,12 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         kv_hi = kv_len - (q_end - q_start) + jnp.minimum(block_start + block_q, q_end) - q_start
         kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
         tile_lo, tile_hi = kv_lo // block_k, pl.cdiv(kv_hi, block_k)
-        per_split = pl.cdiv(tile_hi - tile_lo, num_splits)
+        # Splits in use this step, from the live batch; the grid holds the most a bucket can use
+        # and the splits past these find an empty range.
+        live_programs = jnp.maximum(num_seqs_ref[0], pl.cdiv(cu_q_lens_ref[num_seqs_ref[0]],
+                                                             block_q)) * num_kv_heads
+        splits_used = jnp.clip(pl.cdiv(2 * _NUM_SMS, live_programs), 1, num_splits)
+        per_split = pl.cdiv(tile_hi - tile_lo, splits_used)
         t0 = tile_lo + split * per_split
         t1 = jnp.minimum(t0 + per_split, tile_hi)
         dot_precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
@@ -165,11 +170,11 @@ def _merge_splits(o_split, lse_split):
 
 
 def _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles) -> int:
-    """Split KV only when too few (sequence, head) programs would fill the GPU: few long decodes."""
-    busy_programs = max(max_seqs, pl.cdiv(num_tokens, block_q)) * num_kv_heads
-    if busy_programs >= _NUM_SMS:
+    """Split KV only when too few (sequence, head) programs could fill the GPU: few long decodes.
+    The most splits one live sequence would take; the kernel uses fewer when more are live."""
+    if max(max_seqs, pl.cdiv(num_tokens, block_q)) * num_kv_heads >= _NUM_SMS:
         return 1
-    return max(1, min(pl.cdiv(2 * _NUM_SMS, busy_programs), num_tiles // 4))
+    return max(1, min(pl.cdiv(2 * _NUM_SMS, num_kv_heads), num_tiles // 4))
 
 
 def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs):
@@ -202,8 +207,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
 
     Tiles (all optional, static): `block_q` query tokens per program (a power of two; the rows of
     a program are block_q x the group padded to a power of two), `block_k` KV tokens per tile,
-    `num_kv_splits` KV splits merged exactly afterwards (flash-decoding; default: only when
-    fewer programs than SMs would run). Padding rows (past cu_q_lens[num_seqs]) come back zero.
+    `num_kv_splits` the most KV splits, merged exactly afterwards (flash-decoding; default: only
+    for buckets where fewer programs than SMs may run; each step uses as many as its live
+    sequences need to fill the GPU). Padding rows (past cu_q_lens[num_seqs]) come back zero.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -237,7 +243,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits)
+        num_splits=num_kv_splits, num_kv_heads=num_kv_heads)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(

@@ -34,7 +34,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = "~/.cache/jaxllm/jit"
     enforce_eager: bool = False
     served_model_name: str | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """model_max_len: the model's own limit (max_position_embeddings), known after loading."""
@@ -74,8 +74,8 @@ class EngineArgs:
             if f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool":
-                parser.add_argument(flag, action="store_true")
+            if f.type == "bool":  # --enforce-eager / --no-enforce-eager
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
                 parser.add_argument(flag, type=kind, default=f.default)

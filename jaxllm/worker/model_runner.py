@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -120,14 +122,17 @@ class ModelRunner:
             return (out, prompt_logprobs), kv_caches, penalty_state, last_sampled
 
         self._step = jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(5,))
+        self._compiled: dict = {}  # packed-input layout -> the step compiled for it (warm-up)
 
     def _dispatch(self, inputs: tuple):
         """Runs the step on (batch, sampling_md, token_rows, token_is_output, reset_rows,
         seq_rows, sample_rows, next_prompt_ids, any_prompt_logprobs), sent as one packed
-        buffer."""
+        buffer: through the executable the warm-up compiled for its layout, or else jit."""
         packed, layout = pack(inputs)
-        out, self.kv_caches, self.penalty_state, self.last_sampled = self._step(
-            self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed, layout)
+        state = (self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed)
+        compiled = self._compiled.get(layout)
+        out, self.kv_caches, self.penalty_state, self.last_sampled = (
+            compiled(*state) if compiled is not None else self._step(*state, layout))
         return out
 
     # -- per-request state ------------------------------------------------------------------
@@ -257,10 +262,25 @@ class ModelRunner:
         return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
 
     def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
-        """Compiles every bucket, so that nothing compiles while serving."""
+        """Compiles every bucket ahead of time, in parallel (XLA compiles without holding the
+        GIL), then runs each once; steps go through these executables, so nothing compiles
+        while serving."""
         start = time.perf_counter()
-        for n, num_tokens_padded in enumerate(self.buckets):
-            out = self._dispatch(self._padding_inputs(num_tokens_padded))
-            jax.block_until_ready(out)
-            progress(f"warm-up: compiled bucket {n + 1}/{len(self.buckets)} "
-                     f"({num_tokens_padded} tokens), {time.perf_counter() - start:.1f}s")
+        lowered = {}
+        for num_tokens_padded in self.buckets:  # tracing holds the GIL: one at a time
+            packed, layout = pack(self._padding_inputs(num_tokens_padded))
+            lowered[layout] = (num_tokens_padded, self._step.lower(
+                self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed,
+                layout))
+        progress(f"warm-up: traced {len(lowered)} buckets, {time.perf_counter() - start:.1f}s")
+        workers = max(1, min(len(lowered), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(step.compile): layout for layout, (_, step) in lowered.items()}
+            for n, future in enumerate(as_completed(futures), 1):
+                layout = futures[future]
+                self._compiled[layout] = future.result()
+                progress(f"warm-up: compiled bucket {n}/{len(lowered)} "
+                         f"({lowered[layout][0]} tokens), {time.perf_counter() - start:.1f}s")
+        for num_tokens_padded in self.buckets:
+            jax.block_until_ready(self._dispatch(self._padding_inputs(num_tokens_padded)))
+        progress(f"warm-up: done, {time.perf_counter() - start:.1f}s")
