@@ -27,8 +27,9 @@ REPO = os.path.dirname(HERE)
 
 def run_worker(name: str, a: argparse.Namespace, deadline: float) -> dict:
     """Runs suite_<name>.py until `deadline` (epoch s); its items stop starting at deadline - 10."""
+    scale = a.hf_scale if name == "hf" and a.hf_scale is not None else a.scale
     cmd = [sys.executable, os.path.join(HERE, f"suite_{name}.py"), "--out", a.out, "--scale",
-           str(a.scale), "--deadline", str(deadline - 10)]
+           str(scale), "--deadline", str(deadline - 10)]
     cmd += ["--smoke"] * a.smoke + ["--long"] * a.long
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
     print(f"== {name} worker (budget {deadline - time.time():.0f}s)", flush=True)
@@ -195,6 +196,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny config, small counts")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every prompt count")
     parser.add_argument("--long", action="store_true", help="add the 1000/1000 x 1000 workload")
+    parser.add_argument("--hf-scale", type=float, default=None,
+                        help="prompt-count scale of the HF peer (default: --scale)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="whole-suite wall budget")
     parser.add_argument("--jaxllm-share", type=float, default=0.62,
                         help="fraction of the budget for the jaxllm worker")
