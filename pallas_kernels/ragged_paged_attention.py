@@ -126,34 +126,60 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         t1 = jnp.minimum(t0 + per_split, tile_hi)
         dot_precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                          else jax.lax.Precision.DEFAULT)
+        # Base-2 softmax (exp2 is one instruction); without a soft cap the scale and log2(e)
+        # fold into one multiply of the scores.
+        qk_scale = sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap
 
-        def tile_step(t, carry):
+        def tile_slots(t, kv_pos, kv_valid):
+            """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""
+            if page_size % block_k == 0:  # the tile lies in one page: one page id, in range
+                page = block_tables_ref[seq, t * block_k // page_size]
+                return (page * page_size + t * block_k % page_size
+                        + jnp.arange(block_k, dtype=jnp.int32))
+            # Several pages a tile: per-token ids (a [Bk] gather of Bk / P distinct words that
+            # L1 broadcasts; a per-page load would need a reshape that costs a layout change).
+            page = pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
+                                 other=None if kv_valid is None else 0)
+            return page * page_size + kv_pos % page_size
+
+        def tile_step(t, carry, *, masked):
+            """One KV tile. Unmasked tiles lie wholly below the block's first query position
+            (so below kv_len): every row sees every key, and loads and scores skip all masks."""
             m, l, acc = carry
             kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
-            kv_valid = kv_pos < kv_hi
-            page = pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
-                              other=0)
-            slot = page * page_size + kv_pos % page_size  # [Bk] rows of the flat cache
-            kv_idx = (slot[:, None], kv_head, dims)
-            k = pltriton.load(k_ref.at[kv_idx], mask=kv_valid[:, None], other=0)  # [Bk, D]
-            v = pltriton.load(v_ref.at[kv_idx], mask=kv_valid[:, None], other=0)
-            s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * sm_scale  # [R, Bk]
+            kv_valid = kv_pos < kv_hi if masked else None
+            kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)  # D contiguous
+            load_kw = dict(mask=kv_valid[:, None], other=0) if masked else {}
+            k = pltriton.load(k_ref.at[kv_idx], **load_kw)  # [Bk, D]
+            v = pltriton.load(v_ref.at[kv_idx], **load_kw)
+            s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            s = s * _LOG2E  # base-2 softmax: exp2 is one instruction
-            mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
-            if sliding_window is not None:
-                mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _MASK_INIT), axis=1))
-            p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+                s = (soft_cap * _LOG2E) * jnp.tanh(s)
+            if masked:
+                mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+                if sliding_window is not None:
+                    mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+                s = jnp.where(mask, s, _MASK_INIT)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.exp2(s - m_new[:, None])
+            if masked:  # a row may see nothing yet (m_new still _MASK_INIT): exp2(0) must not count
+                p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp2(m - m_new)
             acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=dot_precision)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
         num_rows, head_dim = q.shape
-        init = (jnp.full((num_rows,), _MASK_INIT, jnp.float32), jnp.zeros((num_rows,), jnp.float32),
-                jnp.zeros((num_rows, head_dim), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(t0, t1, tile_step, init)
+        carry = (jnp.full((num_rows,), _MASK_INIT, jnp.float32),
+                 jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, head_dim), jnp.float32))
+        # The split's tiles [t0, t1) in two runs: those every row sees whole (below first_pos),
+        # then the diagonal / tail tiles. A window masks from below too: all tiles take the mask.
+        t_masked = t0
+        if sliding_window is None:
+            t_masked = jnp.clip(first_pos // block_k, t0, t1)
+            carry = jax.lax.fori_loop(t0, t_masked, functools.partial(tile_step, masked=False),
+                                      carry)
+        m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
+                                      carry)
         out = acc / jnp.maximum(l, 1e-30)[:, None]
         if num_splits == 1:
             pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
