@@ -1,8 +1,10 @@
 """The device mesh of one engine: axes ("data", "tensor") and vLLM's checks on TP/DP/EP sizes.
 
 Axes:
-  data   (size DP): engine replicas; each replica is an EngineCore on its own ("tensor",) row,
-                    so inside one engine step the data axis has size 1 (see engine/dp_engine.py).
+  data   (size DP): DP ranks. Dense models (and MoE without EP): engine replicas, each an
+                    EngineCore on its own ("tensor",) row, so inside one step the data axis has
+                    size 1. MoE with EP: DP attention, one EngineCore over the whole mesh whose
+                    step splits tokens and KV pools over "data" (see engine/dp_engine.py).
   tensor (size TP): attention heads, MLP columns/rows, vocab, KV heads.
 Experts have no axis of their own: with enable_expert_parallel they are split whole across
 ("data", "tensor") of the mesh they run on, so EP size = TP x DP of that mesh (vLLM's rule).
@@ -69,10 +71,12 @@ def validate_model_parallelism(args, parallel_config: ParallelConfig) -> None:
         if width and width % tp:
             raise ValueError(f"{name} ({width}) must be divisible by tensor parallel size ({tp}).")
     if args.num_experts and parallel_config.enable_expert_parallel:
-        # A replica runs on TP devices; experts are split whole across them (see make_mesh).
-        if args.num_experts % tp:
+        # Experts are split whole across the mesh one program runs on: TP devices for a DPEngine
+        # replica, TP x DP under DP attention (the caller passes that mesh's sizes).
+        ep = parallel_config.world_size
+        if args.num_experts % ep:
             raise ValueError(f"Number of experts ({args.num_experts}) must be divisible by the "
-                             f"expert parallel size ({tp}).")
+                             f"expert parallel size ({ep}).")
 
 
 def _mlp_widths(args) -> tuple[str, ...]:

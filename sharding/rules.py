@@ -105,14 +105,21 @@ class ShardingPlan:
     # -- KV cache and step ---------------------------------------------------------------------
     @property
     def kv_cache_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(None, None, T, None))  # [N, P, Hkv, D] by KV head
+        """[DP * N, P, Hkv, D]: by KV head, and by DP rank (each rank's own pool) under DP
+        attention."""
+        return NamedSharding(self.mesh, P(_data_axis(self.mesh), None, T, None))
 
     def model_fn(self, forward: Callable, attn: Callable, write_kv: Callable) -> Callable:
         """forward bound to the sharded args, with attention and KV write run per device."""
         mesh, args = self.mesh, self.model_args
         attn_sharded, write_sharded = shard_attention(attn, write_kv, mesh)
+        tokens = NamedSharding(mesh, P(DATA))
 
         def model_fn(params, kv_caches, batch, **kwargs):
+            if _data_axis(mesh):  # DP attention: each rank's tokens stay on its own devices
+                batch = dataclasses.replace(
+                    batch, token_ids=jax.lax.with_sharding_constraint(batch.token_ids, tokens),
+                    positions=jax.lax.with_sharding_constraint(batch.positions, tokens))
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # MoE reads the mesh
                 return forward(params, kv_caches, batch, args=args, attn=attn_sharded,
                                write_kv=write_sharded, **kwargs)
@@ -131,19 +138,29 @@ def expand_kv_heads(w: jax.Array, num_kv_heads: int, tp: int) -> jax.Array:
     return jnp.repeat(heads, tp // num_kv_heads, axis=-2).reshape(*w.shape[:-1], tp * head_dim)
 
 
+def _data_axis(mesh: Mesh) -> str | None:
+    """"data" when the mesh's DP ranks run in one program (DP attention), else None: a [1, TP]
+    replica keeps the specs it always had."""
+    return DATA if mesh.shape[DATA] > 1 else None
+
+
 def shard_attention(attn: Callable, write_kv: Callable, mesh: Mesh) -> tuple[Callable, Callable]:
-    """Attention and KV write per device on its own heads (the Pallas kernel cannot be
-    auto-partitioned; for the XLA path this also keeps the page gathers local)."""
-    heads, cache, rep = P(None, T, None), P(None, None, T, None), P()
+    """Attention and KV write per device, on its own heads of its own DP rank: tokens, sequence
+    metadata and KV pool are split rank-major over "data" (block ids, slot mappings and
+    cu_q_lens are local to the rank), heads over "tensor". The Pallas kernel cannot be
+    auto-partitioned; for the XLA path this also keeps the page gathers local."""
+    dp = _data_axis(mesh)
+    heads, cache = P(dp, T, None), P(dp, None, T, None)  # [T, H, D], [N, P, Hkv, D]
+    rows, table = P(dp), P(dp, None)  # [T] / [S] / [S + 1] / [1] per rank, [S, B] per rank
 
     def attn_sharded(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **kw):
         local = jax.shard_map(partial(attn, **kw), mesh=mesh,
-                              in_specs=(heads, cache, cache, rep, rep, rep, rep),
+                              in_specs=(heads, cache, cache, rows, table, rows, rows),
                               out_specs=heads, check_vma=False)
         return local(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
 
     def write_sharded(k_cache, v_cache, k, v, slot_mapping):
-        local = jax.shard_map(write_kv, mesh=mesh, in_specs=(cache, cache, heads, heads, rep),
+        local = jax.shard_map(write_kv, mesh=mesh, in_specs=(cache, cache, heads, heads, rows),
                               out_specs=(cache, cache), check_vma=False)
         return local(k_cache, v_cache, k, v, slot_mapping)
 

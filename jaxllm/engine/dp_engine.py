@@ -1,5 +1,6 @@
 """Data parallelism: DP engine replicas, each an EngineCore with its own KV pool and scheduler on
-its own [1, TP] row of the mesh, behind one front end with EngineCore's interface.
+its own [1, TP] row of the mesh, behind one front end with EngineCore's interface. (MoE models
+with expert parallelism instead get DP attention: see make_engine and core/dp_scheduler.py.)
 
 A new request goes to the replica with the fewest unfinished requests (ties: lowest rank); its
 children (n > 1) stay together, so prefix blocks and seeds behave as on one engine. `step()`
@@ -19,15 +20,29 @@ from jaxllm.engine.engine_core import EngineCore
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from sharding.mesh import make_mesh, replica_meshes
+from sharding.setup import peek_model_args
 
 logger = logging.getLogger("jaxllm")
 
 
 def make_engine(engine_args: EngineArgs, log=logger.info):
-    """An EngineCore, or a DPEngine when data_parallel_size > 1."""
+    """An EngineCore; with data_parallel_size > 1 a DPEngine, except for an MoE model with
+    enable_expert_parallel: then vLLM's DP attention, one EngineCore over the whole [DP, TP]
+    mesh (attention per DP rank, experts split over all DP x TP devices)."""
     if engine_args.data_parallel_size == 1:
         return EngineCore(engine_args, log)
+    if engine_args.enable_expert_parallel and _has_experts(engine_args):
+        mesh = make_mesh(ParallelConfig(engine_args.tensor_parallel_size,
+                                        engine_args.data_parallel_size, True))
+        log(f"DP attention: {engine_args.data_parallel_size} DP ranks step together, experts "
+            f"split over all {mesh.size} devices (expert parallel size {mesh.size})")
+        return EngineCore(engine_args, log, mesh=mesh)
     return DPEngine(engine_args, log)
+
+
+def _has_experts(engine_args: EngineArgs) -> bool:
+    args = peek_model_args(engine_args.model, engine_args.load_format)
+    return bool(args is not None and args.num_experts)
 
 
 class DPEngine:

@@ -16,6 +16,7 @@ import os
 import jax
 import numpy as np
 
+from jaxllm.core.dp_scheduler import DPScheduler
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.args import EngineArgs
@@ -50,8 +51,10 @@ class EngineCore:
         _enable_compilation_cache(engine_args.compilation_cache_dir)
         attn, write_kv = _attention_backend(engine_args.attention_backend)
         # TP (and EP within it) runs on `mesh`; DP replicas each get their own (dp_engine.py).
-        sharded = load_for_engine(engine_args, mesh if mesh is not None else
-                                  engine_mesh(engine_args), attn, write_kv)
+        # A mesh with DP > 1 rows is DP attention: one scheduler and KV pool per rank, one step.
+        mesh = mesh if mesh is not None else engine_mesh(engine_args)
+        self.dp_size = 1 if mesh is None else mesh.shape["data"]
+        sharded = load_for_engine(engine_args, mesh, attn, write_kv)
         loaded = sharded.loaded
         self.config = config = engine_args.create_engine_config(loaded.max_model_len)
         self.tokenizer = loaded.tokenizer
@@ -74,7 +77,7 @@ class EngineCore:
         block_bytes = kv_cache.bytes_per_block(*layout, dtype)
 
         def make_runner(num_blocks: int) -> ModelRunner:
-            caches = kv_cache.allocate_kv_caches(args.num_layers, num_blocks,
+            caches = kv_cache.allocate_kv_caches(args.num_layers, self.dp_size * num_blocks,
                                                  cache_config.block_size, args.num_kv_heads,
                                                  args.head_dim, dtype,
                                                  sharded.kv_cache_sharding)
@@ -82,7 +85,8 @@ class EngineCore:
                                block_size=cache_config.block_size,
                                max_model_len=self.max_model_len,
                                max_num_seqs=sched.max_num_seqs,
-                               max_num_batched_tokens=sched.max_num_batched_tokens)
+                               max_num_batched_tokens=sched.max_num_batched_tokens,
+                               dp_size=self.dp_size)
 
         self.num_blocks = cache_config.num_gpu_blocks_override
         if self.num_blocks is None:
@@ -90,9 +94,13 @@ class EngineCore:
         kv_cache.check_fits(self.num_blocks, cache_config.block_size, self.max_model_len,
                             block_bytes)
         log(f"KV cache: {self.num_blocks} blocks of {cache_config.block_size} tokens "
-            f"({self.num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)")
+            f"({self.num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
+            + (f" per DP rank, {self.dp_size} ranks" if self.dp_size > 1 else ""))
         self.runner = make_runner(self.num_blocks)
-        self.scheduler = Scheduler(sched, cache_config, self.num_blocks)
+        self.scheduler_ranks = [Scheduler(sched, cache_config, self.num_blocks)
+                                for _ in range(self.dp_size)]
+        self.scheduler = (self.scheduler_ranks[0] if self.dp_size == 1
+                          else DPScheduler(self.scheduler_ranks))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.async_scheduling = config.runner_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -194,7 +202,8 @@ class EngineCore:
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage,
                 "num_preemptions_total": stats.num_preemptions_total,
-                "num_free_blocks": self.scheduler.kv_cache_manager.num_free_blocks,
-                "num_blocks": self.num_blocks,
+                "num_free_blocks": sum(s.kv_cache_manager.num_free_blocks
+                                       for s in self.scheduler_ranks),
+                "num_blocks": self.num_blocks * self.dp_size,
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total}

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.core.dp_scheduler import DPSchedulerOutput
 from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from jaxllm.models import compute_logits
 from jaxllm.sample import sampler
@@ -79,29 +80,49 @@ class ModelRunnerOutput:
 @dataclass
 class LaunchedStep:
     """A dispatched step whose results are still on device."""
-    scheduled: list[ScheduledRequest]
-    cu_q_lens: np.ndarray  # [S + 1] of the step's batch
+    scheduled: list[ScheduledRequest]  # DP ranks' grants rank-major
+    batch_rows: np.ndarray  # [len(scheduled)] each request's sequence row in the batch
+    token_starts: np.ndarray  # [len(scheduled)] flat index of each request's first token
+    want_prompt: list[int]  # indices into scheduled of the requests that get prompt logprobs
     out: tuple  # (SamplerOutput, prompt LogprobsTensors) on device
-    want_prompt: list[int]  # batch indices of the requests that get prompt logprobs
+
+
+def _placement(rank_scheduled, rank_cu_q_lens, rank_want_prompt, num_tokens_padded: int,
+               num_seqs_padded: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """LaunchedStep's batch_rows, token_starts and want_prompt over the ranks, rank-major."""
+    batch_rows, token_starts, want_prompt, offset = [], [], [], 0
+    for rank, (scheduled, cu_q_lens, want) in enumerate(
+            zip(rank_scheduled, rank_cu_q_lens, rank_want_prompt)):
+        num_seqs = len(scheduled)
+        batch_rows.append(rank * num_seqs_padded + np.arange(num_seqs))
+        token_starts.append(rank * num_tokens_padded + cu_q_lens[:num_seqs])
+        want_prompt += [offset + i for i in want]
+        offset += num_seqs
+    return np.concatenate(batch_rows), np.concatenate(token_starts), want_prompt
 
 
 class ModelRunner:
     def __init__(self, model_fn: Callable, params, kv_caches, *, vocab_size: int, block_size: int,
-                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 dp_size: int = 1) -> None:
+        """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
+        SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool."""
         self.params = params
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.dp_size = dp_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = token_buckets(max_num_batched_tokens)
+        num_rows = dp_size * max_num_seqs  # penalty rows of every rank's sequences
         self.penalty_state = _place_on_mesh(
-            sampler.init_penalty_state(max_num_seqs, vocab_size), kv_caches, P(None, "tensor"))
-        # [max_num_seqs + 1] the token each penalty row's request sampled last
-        self.last_sampled = _place_on_mesh(jnp.zeros(max_num_seqs + 1, jnp.int32), kv_caches, P())
-        self.garbage_row = max_num_seqs  # padding sequences and tokens use the last row
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+            sampler.init_penalty_state(num_rows, vocab_size), kv_caches, P(None, "tensor"))
+        # [num_rows + 1] the token each penalty row's request sampled last
+        self.last_sampled = _place_on_mesh(jnp.zeros(num_rows + 1, jnp.int32), kv_caches, P())
+        self.garbage_row = num_rows  # padding sequences and tokens use the last row
+        self._free_rows = list(range(num_rows - 1, -1, -1))
         self._rows: dict[str, int] = {}
-        self.block_tables = BlockTables(max_num_seqs + 1, self.max_blocks_per_seq)
+        self.block_tables = BlockTables(num_rows + 1, self.max_blocks_per_seq)
 
         def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout):
             (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
@@ -154,13 +175,46 @@ class ModelRunner:
         num_tokens_padded = next(b for b in self.buckets if b >= num_tokens)
         return num_tokens_padded, min(num_tokens_padded, self.max_num_seqs)
 
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(self, scheduler_output: SchedulerOutput | DPSchedulerOutput) -> LaunchedStep:
         """Builds the step's inputs and dispatches it; returns without waiting for the device."""
-        self.release(scheduler_output.finished_request_ids)
-        self.release(scheduler_output.preempted_request_ids)
-        scheduled = scheduler_output.scheduled
-        num_tokens_padded, num_seqs_padded = self.bucket_for(scheduler_output.num_scheduled_tokens)
-        num_seqs, num_tokens = len(scheduled), scheduler_output.num_scheduled_tokens
+        rank_outputs = (scheduler_output.ranks if isinstance(scheduler_output, DPSchedulerOutput)
+                        else [scheduler_output])
+        for out in rank_outputs:
+            self.release(out.finished_request_ids)
+            self.release(out.preempted_request_ids)
+        num_tokens_padded, num_seqs_padded = self.bucket_for(
+            max(out.num_scheduled_tokens for out in rank_outputs))
+        inputs, placement = self._build_inputs([out.scheduled for out in rank_outputs],
+                                               num_tokens_padded, num_seqs_padded)
+        return LaunchedStep(scheduler_output.scheduled, *placement, self._dispatch(inputs))
+
+    def _build_inputs(self, rank_scheduled: list[list[ScheduledRequest]], num_tokens_padded: int,
+                      num_seqs_padded: int) -> tuple[tuple, tuple]:
+        """The step's inputs, and where each scheduled request sits in the batch. DP ranks are
+        padded to one bucket and concatenated rank-major: rank r's tokens are rows
+        [r*T, (r+1)*T) and its sequences rows [r*S, (r+1)*S); block tables, slot mappings,
+        cu_q_lens, kv_lens and num_seqs stay local to the rank (its attention sees its own
+        slice), only logits_indices address the global token array."""
+        rank_inputs, want_prompt, cu_q_lens = zip(*(
+            self._rank_inputs(scheduled, num_tokens_padded, num_seqs_padded)
+            for scheduled in rank_scheduled))
+        if len(rank_inputs) == 1:
+            inputs = rank_inputs[0]
+        else:
+            inputs = jax.tree.map(lambda *leaves: np.concatenate(leaves), *rank_inputs)
+            inputs[0].logits_indices += np.repeat(
+                np.arange(len(rank_inputs), dtype=np.int32) * num_tokens_padded, num_seqs_padded)
+        placement = _placement(rank_scheduled, cu_q_lens, want_prompt, num_tokens_padded,
+                               num_seqs_padded)
+        batch, *rows = inputs
+        sampling_md = self._sampling_metadata(rank_scheduled, num_seqs_padded)
+        return (batch, sampling_md, *rows, np.array(bool(placement[2]))), placement
+
+    def _rank_inputs(self, scheduled: list[ScheduledRequest], num_tokens_padded: int,
+                     num_seqs_padded: int):
+        """One rank's (batch, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
+        next_prompt_ids), the indices of its requests that want prompt logprobs, its cu_q_lens."""
+        num_seqs = len(scheduled)
         rows = np.fromiter((self._row_for(s.request_id) for s in scheduled), np.int32, num_seqs)
         for row, s in zip(rows, scheduled):
             if s.new_block_ids or s.num_computed_tokens == 0:
@@ -169,6 +223,7 @@ class ModelRunner:
             [SeqChunk(s.token_ids, s.num_computed_tokens) for s in scheduled],
             num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq, self.block_size,
             block_tables=self.block_tables.gather(rows, num_seqs_padded))
+        num_tokens = int(batch.cu_q_lens[num_seqs])
         num_prompt = np.fromiter((s.num_prompt_tokens for s in scheduled), np.int32, num_seqs)
         first_chunk = np.fromiter((s.num_computed_tokens == 0 for s in scheduled), bool, num_seqs)
         q_lens = np.diff(batch.cu_q_lens[:num_seqs + 1])
@@ -183,16 +238,21 @@ class ModelRunner:
         token_is_output = np.zeros(num_tokens_padded, bool)
         token_is_output[:num_tokens] = (batch.positions[:num_tokens]
                                         >= np.repeat(num_prompt, q_lens))
-        sampling_md = sampler.build_sampling_metadata(
-            [s.sampling_params if s.samples else None for s in scheduled],
-            output_indices=[s.num_output_tokens for s in scheduled],
-            seeds=[s.sampling_params.seed for s in scheduled],  # the engine sets every seed
-            num_seqs_padded=num_seqs_padded)
         next_prompt_ids, want_prompt = self._next_prompt_ids(scheduled, batch, num_tokens_padded)
-        out = self._dispatch((batch, sampling_md, token_rows, token_is_output, reset_rows,
-                              seq_rows, sample_rows, next_prompt_ids,
-                              np.array(bool(want_prompt))))
-        return LaunchedStep(scheduled, batch.cu_q_lens, out, want_prompt)
+        return ((batch, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
+                 next_prompt_ids), want_prompt, batch.cu_q_lens)
+
+    @staticmethod
+    def _sampling_metadata(rank_scheduled: list[list[ScheduledRequest]], num_seqs_padded: int):
+        """Rank r's sequences are rows [r*S, r*S + its count); the rows between are padding."""
+        params, output_indices, seeds = [], [], []
+        for rank, scheduled in enumerate(rank_scheduled):
+            pad = (num_seqs_padded - len(scheduled)) if rank < len(rank_scheduled) - 1 else 0
+            params += [s.sampling_params if s.samples else None for s in scheduled] + [None] * pad
+            output_indices += [s.num_output_tokens for s in scheduled] + [0] * pad
+            seeds += [s.sampling_params.seed for s in scheduled] + [0] * pad  # the engine seeds all
+        return sampler.build_sampling_metadata(params, output_indices=output_indices, seeds=seeds,
+                                               num_seqs_padded=len(rank_scheduled) * num_seqs_padded)
 
     @staticmethod
     def _next_prompt_ids(scheduled, batch, num_tokens_padded: int):
@@ -221,17 +281,17 @@ class ModelRunner:
             (sample_out.token_ids, sample_out.logprobs if want_logprobs else None,
              prompt_out if want_prompt else None))
         sampled, sample_logprobs = {}, {}
-        for i, s in enumerate(scheduled):
+        for s, row in zip(scheduled, launched.batch_rows.tolist()):
             if not s.samples:
                 continue
-            sampled[s.request_id] = int(token_ids[i])
+            sampled[s.request_id] = int(token_ids[row])
             if want_logprobs and s.sampling_params.logprobs is not None:
-                sample_logprobs[s.request_id] = _logprob_entry(logprobs, i,
+                sample_logprobs[s.request_id] = _logprob_entry(logprobs, row,
                                                                s.sampling_params.logprobs)
         prompt_logprobs = {}
         for i in want_prompt:
             s = scheduled[i]
-            start = launched.cu_q_lens[i]
+            start = launched.token_starts[i]
             # token j of the chunk scores prompt token num_computed + j + 1
             last = min(len(s.token_ids), s.num_prompt_tokens - 1 - s.num_computed_tokens)
             prompt_logprobs[s.request_id] = [
@@ -242,16 +302,9 @@ class ModelRunner:
 
     # -- warm-up and profiling ---------------------------------------------------------------
     def _padding_inputs(self, num_tokens_padded: int) -> tuple:
-        """Step arguments of an all-padding batch: it compiles the bucket and only writes block 0."""
-        num_seqs_padded = min(num_tokens_padded, self.max_num_seqs)
-        batch = build_step_batch([], num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq,
-                                 self.block_size)
-        md = sampler.build_sampling_metadata([], output_indices=[], seeds=[],
-                                             num_seqs_padded=num_seqs_padded)
-        token_rows = np.full(num_tokens_padded, self.garbage_row, np.int32)
-        seq_rows = np.full(num_seqs_padded, self.garbage_row, np.int32)
-        return (batch, md, token_rows, np.zeros(num_tokens_padded, bool), seq_rows, seq_rows,
-                seq_rows, np.zeros(num_tokens_padded, np.int32), np.array(False))
+        """Step arguments of an all-padding batch (every rank idle): it compiles the bucket and
+        only writes block 0."""
+        return self._build_inputs([[]] * self.dp_size, *self.bucket_for(num_tokens_padded))[0]
 
     def activation_bytes(self) -> int:
         """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
