@@ -160,10 +160,11 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
                 if sliding_window is not None:
                     mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
                 s = jnp.where(mask, s, _MASK_INIT)
+            # A row that has seen no key yet gets p = exp2(0) = 1 on masked keys, but its m is
+            # still _MASK_INIT, so alpha = 0 at its first visible key erases them; in a split
+            # where it sees none, its lse ~ _MASK_INIT gives that split weight 0 in the merge.
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             p = jnp.exp2(s - m_new[:, None])
-            if masked:  # a row may see nothing yet (m_new still _MASK_INIT): exp2(0) must not count
-                p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp2(m - m_new)
             acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=dot_precision)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc

@@ -46,17 +46,38 @@ def rel_err(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-def check(args, *, tol, fill=float("nan"), **kw):
-    """Kernel on a NaN-poisoned output vs the reference on fp32 inputs; live rows only."""
+def check(args, *, tol, fill=float("nan"), ref_args=None, **kw):
+    """Kernel on a NaN-poisoned output vs the reference on fp32 inputs (`ref_args`, default the
+    kernel's); live rows only."""
     out = ragged_paged_attention(*args, interpret=True, _fill_value=fill, **kw)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
-    upcast = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    upcast = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in ref_args or args]
     ref = ragged_paged_attention_reference(*upcast, **ref_kw)
     live = int(args[5][int(args[6][0])])
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     assert np.isfinite(np.asarray(out[:live], np.float32)).all(), "unwritten or NaN rows"
     assert rel_err(out[:live], ref[:live]) < tol
     return out
+
+
+def poison(args):
+    """(kernel args, reference args): every cache slot that no live sequence owns below its kv_len
+    is NaN in the kernel's copy, and the block tables' unused entries name page 0 (all NaN), so a
+    kernel that reads one K/V row it must not returns NaN; the reference reads the clean cache."""
+    q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = args
+    page_size = k_cache.shape[1]
+    tables, owned = np.array(block_tables), np.zeros(k_cache.shape[:2], bool)  # [S, B], [N, P]
+    tables[int(num_seqs[0]):] = 0
+    for s, kv_len in enumerate(np.asarray(kv_lens)[:int(num_seqs[0])]):
+        pages = -(-int(kv_len) // page_size)
+        tables[s, pages:] = 0
+        for j in range(pages):
+            owned[tables[s, j], :min(page_size, kv_len - j * page_size)] = True
+    assert not owned[0].any()  # make_batch leaves page 0 to padding
+    nan = lambda c: jnp.where(jnp.asarray(owned)[:, :, None, None], c, jnp.nan).astype(c.dtype)
+    tables = jnp.asarray(tables)
+    return ((q, nan(k_cache), nan(v_cache), kv_lens, tables, cu_q_lens, num_seqs),
+            (q, k_cache, v_cache, kv_lens, tables, cu_q_lens, num_seqs))
 
 
 HEADS = [(9, 3, 64), (4, 1, 32), (8, 2, 128)]  # group 3 (padded to 4), 4 (MQA), 4
@@ -117,19 +138,61 @@ def test_bad_shapes_raise():
         ragged_paged_attention(*args, sm_scale=1.0, interpret=True)
 
 
+# Context before each chunk: 64 and 96 put the first query on a tile boundary (of every / of the
+# <= 32 tiles), 65 one past it, 31 one before; kv_lens 128 a multiple of every block_k, the rest
+# not; q_lens 64 a multiple of every block_q, the rest not; the last sequence decodes.
+BOUNDARY_CTX, BOUNDARY_Q = [64, 65, 0, 96, 31], [64, 13, 33, 7, 1]
+
+
+@pytest.mark.parametrize("page_size,block_q,block_k,splits", [
+    (16, 4, 16, 1), (16, 8, 64, 3), (64, 16, 32, 1), (32, 4, 32, 2)])
+def test_prefill_tile_boundaries_poisoned(page_size, block_q, block_k, splits):
+    # page 16 with block_k 64: per-token page ids; the others: one page id a tile
+    args = make_batch(20, BOUNDARY_Q, np.add(BOUNDARY_CTX, BOUNDARY_Q), num_q_heads=6,
+                      num_kv_heads=2, head_dim=32, page_size=page_size, max_seqs=6,
+                      num_tokens=sum(BOUNDARY_Q) + 5)
+    args, clean = poison(args)
+    check(args, ref_args=clean, tol=1e-5, sm_scale=0.3, block_q=block_q, block_k=block_k,
+          num_kv_splits=splits)
+
+
+def test_prefill_long_context_ragged_bf16_poisoned():
+    # default prefill tiles and split count; chunks over 700-1000 tokens of context, ragged
+    q_lens, ctx = [50, 17, 3, 1], [700, 333, 1000, 900]
+    args = make_batch(21, q_lens, np.add(ctx, q_lens), num_q_heads=8, num_kv_heads=2, head_dim=64,
+                      page_size=16, dtype=jnp.bfloat16, max_seqs=5, num_tokens=80)
+    args, clean = poison(args)
+    check(args, ref_args=clean, tol=1e-2, sm_scale=0.125)
+
+
+def test_poison_catches_reads_past_kv_len():
+    # the poisoned cache is NaN exactly where no query may look: any read of it shows
+    args, clean = poison(make_batch(22, [3], [40], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                    page_size=16, max_pages=4))
+    kv_lens = args[3] + 1
+    out = ragged_paged_attention(*args[:3], kv_lens, *args[4:], sm_scale=0.3, interpret=True)
+    assert np.isnan(np.asarray(out)).all()
+
+
 def test_lowers_for_cuda():
+    """Every code path lowers for CUDA: decode and prefill buckets, one and several KV splits,
+    unmasked + masked loops (no window) and masked only (window), soft cap, fp32, one page id a
+    tile (page 64) and per-token ids (page 16)."""
     sds = jax.ShapeDtypeStruct
-    num_tokens, max_seqs, max_pages = 64, 8, 16
+    max_seqs, max_pages = 8, 16
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", platform="gpu", num_cores=132))
-    for num_q_heads, num_kv_heads, head_dim in [(9, 3, 64), (32, 8, 128)]:
-        cache = sds((64, 16, num_kv_heads, head_dim), jnp.bfloat16)
-        args = (sds((num_tokens, num_q_heads, head_dim), jnp.bfloat16), cache, cache,
+    cases = [(64, (9, 3, 64), 16, jnp.bfloat16), (64, (32, 8, 128), 16, jnp.bfloat16),
+             (8, (32, 8, 128), 64, jnp.bfloat16), (64, (8, 2, 64), 64, jnp.float32)]
+    for num_tokens, (num_q_heads, num_kv_heads, head_dim), page_size, dtype in cases:
+        cache = sds((64, page_size, num_kv_heads, head_dim), dtype)
+        args = (sds((num_tokens, num_q_heads, head_dim), dtype), cache, cache,
                 sds((max_seqs,), jnp.int32), sds((max_seqs, max_pages), jnp.int32),
                 sds((max_seqs + 1,), jnp.int32), sds((1,), jnp.int32))
         for splits in (1, 4):
-            fn = functools.partial(ragged_paged_attention, sm_scale=0.1, num_kv_splits=splits,
-                                   soft_cap=30.0, sliding_window=128)
-            with jax.sharding.use_abstract_mesh(mesh):
-                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-            assert "ragged_paged_attention" in lowered.as_text()
+            for extra in (dict(), dict(soft_cap=30.0, sliding_window=128)):
+                fn = functools.partial(ragged_paged_attention, sm_scale=0.1,
+                                       num_kv_splits=splits, **extra)
+                with jax.sharding.use_abstract_mesh(mesh):
+                    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+                assert "ragged_paged_attention" in lowered.as_text()
