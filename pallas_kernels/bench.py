@@ -289,7 +289,11 @@ PREFILL_TILES = [dict(block_q=16, block_k=64, num_warps=4, num_stages=2),
                  dict(block_q=32, block_k=64, num_warps=8, num_stages=2),
                  dict(block_q=32, block_k=64, num_warps=8, num_stages=3),
                  dict(block_q=32, block_k=128, num_warps=8, num_stages=2),
-                 dict(block_q=32, block_k=32, num_warps=4, num_stages=3)]
+                 dict(block_q=32, block_k=32, num_warps=4, num_stages=3),
+                 dict(block_q=16, block_k=64, num_warps=4, num_stages=4),
+                 dict(block_q=16, block_k=128, num_warps=8, num_stages=3),
+                 dict(block_q=32, block_k=64, num_warps=4, num_stages=3),
+                 dict(block_q=8, block_k=64, num_warps=4, num_stages=3)]
 
 
 SECTIONS = ("correctness", "sweep", "split_sweep", "decode", "prefill", "mixed", "kv_write")
