@@ -8,7 +8,8 @@ import sys
 
 
 def test_control_plane_imports_no_jax():
-    code = ("import sys; import jaxllm.core.scheduler, jaxllm.core.kv_cache_manager, "
+    code = ("import sys; import jaxllm.core.scheduler, jaxllm.core.dp_scheduler, "
+            "jaxllm.core.kv_cache_manager, "
             "jaxllm.core.block_pool, jaxllm.detok.detokenizer, jaxllm.sampling_params; "
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
