@@ -77,7 +77,10 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
 # Pallas (Triton) kernel. One program: one KV head x one block of up to `block_q` query tokens of
 # one sequence x one KV split. Its rows are (token, query head of the group) pairs, the group
 # padded to a power of two, so every K/V tile loaded serves all query heads of the group (GQA).
-# K/V are gathered token by token through the block table, so any page size and tile size mix.
+# K/V rows are gathered through the block table (one page id a tile where the tile lies in one
+# page, else one a token), so any page size and tile size mix. The KV tiles below a block's
+# first query run without masks; the diagonal and tail tiles (all tiles under a sliding
+# window) take the mask.
 # ---------------------------------------------------------------------------------------------
 
 _NUM_SMS = 132  # H200; only sizes the split-KV heuristic
@@ -148,7 +151,8 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             m, l, acc = carry
             kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
             kv_valid = kv_pos < kv_hi if masked else None
-            kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)  # D contiguous
+            # dims (an arange) last and unit-stride: Triton vectorises the loads along D
+            kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)
             load_kw = dict(mask=kv_valid[:, None], other=0) if masked else {}
             k = pltriton.load(k_ref.at[kv_idx], **load_kw)  # [Bk, D]
             v = pltriton.load(v_ref.at[kv_idx], **load_kw)
