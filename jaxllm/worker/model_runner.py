@@ -11,6 +11,10 @@ filled in on device from `last_sampled`, one token per penalty row that every st
 before the embedding and the penalty counts see them. Device order makes this exact: step N
 wrote the row before step N+1 reads it. The fill-in (a gather of T ids, a scatter of S) is
 compiled in always, so one program serves both modes.
+
+With DP attention (dp_size > 1, MoE with expert parallelism) one step serves every DP rank: each
+rank's batch is padded to the busiest rank's bucket and the ranks are concatenated rank-major
+(see _build_inputs); the sampler and penalty rows cover all ranks' sequences.
 """
 
 from __future__ import annotations
@@ -247,10 +251,13 @@ class ModelRunner:
         """Rank r's sequences are rows [r*S, r*S + its count); the rows between are padding."""
         params, output_indices, seeds = [], [], []
         for rank, scheduled in enumerate(rank_scheduled):
-            pad = (num_seqs_padded - len(scheduled)) if rank < len(rank_scheduled) - 1 else 0
-            params += [s.sampling_params if s.samples else None for s in scheduled] + [None] * pad
-            output_indices += [s.num_output_tokens for s in scheduled] + [0] * pad
-            seeds += [s.sampling_params.seed for s in scheduled] + [0] * pad  # the engine seeds all
+            pad = rank * num_seqs_padded - len(params)  # the previous rank's padding rows
+            params += [None] * pad
+            output_indices += [0] * pad
+            seeds += [0] * pad
+            params += [s.sampling_params if s.samples else None for s in scheduled]
+            output_indices += [s.num_output_tokens for s in scheduled]
+            seeds += [s.sampling_params.seed for s in scheduled]  # the engine seeds every request
         return sampler.build_sampling_metadata(params, output_indices=output_indices, seeds=seeds,
                                                num_seqs_padded=len(rank_scheduled) * num_seqs_padded)
 
