@@ -46,9 +46,11 @@ def decode_steps(engine, batch: int, context_len: int, num_steps: int,
     import numpy as np
 
     from jaxllm import SamplingParams
+    from jaxllm.bench.latency import decode_tokens_needed
 
     rng = np.random.default_rng(batch)
-    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=num_steps + 8)
+    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=decode_tokens_needed(
+        engine, batch, context_len, num_steps))
     ids = [f"profile-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, rng.integers(0, engine.vocab_size, context_len).tolist(),
@@ -64,6 +66,7 @@ def decode_steps(engine, batch: int, context_len: int, num_steps: int,
         for _ in range(num_steps):
             engine.step()
         wall = time.perf_counter() - start
+    assert engine.scheduler.num_running == batch, "a sequence finished inside the timed steps"
     engine.abort_request(ids)
     return {"batch": batch, "wall_ms_per_step": wall * 1e3 / num_steps}
 
@@ -82,8 +85,8 @@ def main() -> None:
     dummy = not os.path.isdir(a.model)
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,
-              max_num_seqs=64, max_num_batched_tokens=2048, enforce_eager=True,
-              num_gpu_blocks_override=20000 if dummy else None,
+              max_num_seqs=256, max_num_batched_tokens=2048, enforce_eager=True,
+              num_gpu_blocks_override=None,
               async_scheduling=a.async_scheduling)
     engine = llm.llm_engine
     results = {}

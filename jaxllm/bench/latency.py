@@ -57,15 +57,23 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
+def decode_tokens_needed(engine, batch_size: int, context_len: int, num_steps: int) -> int:
+    """max_tokens that keeps every sequence decoding through num_steps timed steps: the batch's
+    prefill takes up to this many steps, and the first prompts decode all the while."""
+    budget = engine.config.scheduler_config.max_num_batched_tokens
+    prefill_steps = batch_size + -(-batch_size * context_len // budget)
+    return num_steps + prefill_steps + 4
+
+
 def measure_decode_step(engine, batch_size: int, context_len: int, num_steps: int,
                         seed: int = 0) -> dict:
     """Prefills batch_size random prompts of context_len tokens, then times num_steps engine
     steps in which every sequence decodes one token. engine: an EngineCore with nothing running."""
     if engine.has_unfinished_requests():
         raise ValueError("measure_decode_step needs an idle engine.")
-    requests = random_requests(batch_size, context_len, num_steps + 2, engine.vocab_size,
-                               seed=seed)
-    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=num_steps + 2)
+    max_tokens = decode_tokens_needed(engine, batch_size, context_len, num_steps)
+    requests = random_requests(batch_size, context_len, max_tokens, engine.vocab_size, seed=seed)
+    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=max_tokens)
     ids = [f"decode-bench-{seed}-{i}" for i in range(batch_size)]
     for request_id, r in zip(ids, requests):
         engine.add_request(request_id, r.prompt, params)
@@ -79,6 +87,10 @@ def measure_decode_step(engine, batch_size: int, context_len: int, num_steps: in
             start = time.perf_counter()
             engine.step()
             times[i] = time.perf_counter() - start
+        if engine.scheduler.num_running != batch_size:
+            raise RuntimeError(f"{engine.scheduler.num_running} of {batch_size} sequences "
+                               "still running after the timed steps: the timing is not of "
+                               f"batch {batch_size}.")
     finally:
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
