@@ -251,11 +251,16 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     decode_bucket = num_tokens <= max_seqs
     if block_q is None:  # decode: the fewest rows a tensor-core dot takes; prefill: 64 rows
         block_q = max(1, (16 if decode_bucket else 64) // group_pad)
+    # H200 sweeps (docs/benchmarks.md): 16-bit decode reads 128-token KV tiles best (8 warps
+    # and 3 stages without splits, 4 and 2 with), prefill 64-token tiles with 2 stages. Wider
+    # tiles of fp32 or head_dim 256 would not fit shared memory at those depths.
+    wide_tiles = decode_bucket and q.dtype.itemsize <= 2 and head_dim <= 128
     if block_k is None:
-        block_k = 64 if head_dim <= 128 else 32
+        block_k = 128 if wide_tiles else 64 if head_dim <= 128 else 32
     num_tiles = pl.cdiv(max_pages * page_size, block_k)
     if num_kv_splits is None:
         num_kv_splits = _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles)
+    deep = wide_tiles and num_kv_splits == 1
     if block_q * group_pad < 16 or block_q & (block_q - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_q * {group_pad} (={block_q * group_pad}) and block_k={block_k} "
                          "must be powers of two >= 16")
@@ -282,9 +287,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
         grid=(num_q_blocks, num_kv_heads, num_kv_splits),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_init],
         input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
-        # H200 sweep (docs/benchmarks.md): 3 stages paid for prefill tiles, cost for decode ones
         compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps or 4, num_stages=num_stages or (2 if decode_bucket else 3)),
+            num_warps=num_warps or (8 if deep else 4), num_stages=num_stages or (3 if deep else 2)),
         interpret=interpret,
         name="ragged_paged_attention",
     )(*inputs, *out_init)

@@ -132,14 +132,38 @@ class CompileCounter:
             self.count += 1
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_no_compilation_after_warmup(async_scheduling, tiny_llama_dir):
+def plain_params(rng: random.Random) -> SamplingParams:
+    """What a lean step can serve: no top-k/top-p, no logprobs."""
+    return SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), min_p=rng.choice([0.0, 0.1]),
+                          repetition_penalty=rng.choice([1.0, 1.2]),
+                          frequency_penalty=rng.choice([0, 0.3]), seed=rng.choice([None, 7]),
+                          n=rng.choice([1, 2]), max_tokens=rng.randint(1, 40))
+
+
+def record_lean_flags(llm) -> list[bool]:
+    """Which program (lean or full) each dispatched step ran."""
+    runner, flags = llm.llm_engine.runner, []
+    dispatch = runner._dispatch
+
+    def recording(inputs, lean=False):
+        flags.append(lean)
+        return dispatch(inputs, lean)
+    runner._dispatch = recording
+    return flags
+
+
+@pytest.mark.parametrize("async_scheduling, lean_steps", [(False, False), (True, True)])
+def test_no_compilation_after_warmup(async_scheduling, lean_steps, tiny_llama_dir):
     # warm-up on
-    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=32, async_scheduling=async_scheduling,
+                   lean_steps=lean_steps)
+    lean_flags = record_lean_flags(llm)
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
         rng = random.Random(1)
+        prompts = random_prompts(9, 8, 300, lengths=(1, 60))
+        llm.generate(prompts, [plain_params(rng) for _ in prompts], use_tqdm=False)
         for round_ in range(3):
             prompts = random_prompts(round_ + 10, rng.randint(1, 12), 300, lengths=(1, 60))
             params = [SamplingParams(
@@ -154,7 +178,25 @@ def test_no_compilation_after_warmup(async_scheduling, tiny_llama_dir):
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
+    assert set(lean_flags) == ({False, True} if lean_steps else {False}), set(lean_flags)
     assert_all_blocks_free(llm)
+
+
+def test_lean_steps_generate_what_full_steps_generate(tiny_llama_dir):
+    rng = random.Random(3)
+    prompts = random_prompts(21, 6, 300, lengths=(1, 40))
+    params = [plain_params(rng) for _ in prompts]
+    for p in params:
+        p.seed = 5 if p.seed is None else p.seed  # unseeded draws differ between engines
+    got = {}
+    for lean in (False, True):
+        llm = make_llm(tiny_llama_dir, enforce_eager=True, lean_steps=lean)
+        lean_flags = record_lean_flags(llm)
+        got[lean] = [[c.token_ids for c in o.outputs]
+                     for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert set(lean_flags) == {lean}
+        assert_all_blocks_free(llm)
+    assert got[True] == got[False]
 
 
 @pytest.fixture(scope="module")

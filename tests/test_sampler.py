@@ -1,6 +1,7 @@
 """The on-device sampler against numpy references (penalties, filters, logprobs, seeds)."""
 
 import os
+from functools import partial
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -239,6 +240,35 @@ def test_seeded_request_reproduces_regardless_of_batch():
     draws = {int(run([target], row[None], output_indices=[i], seeds=[1234]).token_ids[0])
              for i in range(20)}
     assert len(draws) > 3  # the output index advances the key
+
+
+def test_lean_sampler_draws_what_the_full_one_draws():
+    """The runner's lean program (no cond; penalties and the random draw always on) must give
+    every batch it may take (no top-k/top-p, no logprobs) the tokens of the full program."""
+    rng = np.random.default_rng(9)
+    state, _, _ = random_penalty_state(rng)
+    lean_jit = jax.jit(partial(sampler.sample, lean=True))
+    batches = [
+        [SamplingParams(temperature=0)] * 3,  # all greedy
+        [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
+         SamplingParams(temperature=1.3, min_p=0.1, repetition_penalty=1.4),
+         SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0)],
+        [SamplingParams(temperature=1.0, min_tokens=4)],
+    ]
+    for i, params in enumerate(batches):
+        params = [SamplingParams(**{**vars(p), "all_stop_token_ids": {5, 9}}) for p in params]
+        logits = logits_of(40 + i, 8, scale=1.0)
+        seq_rows = rng.permutation(MAX_SEQS)[:8].astype(np.int32)
+        # each row has generated its argmax token: a penalty must move the greedy choice
+        state = record_jit(state, logits.argmax(-1), seq_rows, np.ones(8, bool),
+                           np.full(4, GARBAGE, np.int32))
+        md = build_sampling_metadata(params, [1] * len(params), [11 + i] * len(params), 8)
+        assert not (md.any_top_k_top_p or md.any_logprobs)
+        for step in range(5):
+            md.output_index[:len(params)] = step
+            full = sample_jit(jnp.asarray(logits), md, state, jnp.asarray(seq_rows))
+            lean = lean_jit(jnp.asarray(logits), md, state, jnp.asarray(seq_rows))
+            np.testing.assert_array_equal(np.asarray(lean.token_ids), np.asarray(full.token_ids))
 
 
 def test_temperature_sampling_matches_softmax():

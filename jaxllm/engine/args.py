@@ -35,6 +35,7 @@ class EngineArgs:
     enforce_eager: bool = False
     served_model_name: str | None = None
     async_scheduling: bool = True
+    lean_steps: bool | None = None  # None: on a GPU (RunnerConfig)
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """model_max_len: the model's own limit (max_position_embeddings), known after loading."""
@@ -65,7 +66,8 @@ class EngineArgs:
             runner_config=RunnerConfig(
                 attention_backend=self.attention_backend,
                 compilation_cache_dir=self.compilation_cache_dir,
-                enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling))
+                enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
+                lean_steps=self.lean_steps))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -74,7 +76,7 @@ class EngineArgs:
             if f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool":  # --enforce-eager / --no-enforce-eager
+            if f.type in ("bool", "bool | None"):  # --enforce-eager / --no-enforce-eager
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)

@@ -86,7 +86,8 @@ class EngineCore:
                                max_model_len=self.max_model_len,
                                max_num_seqs=sched.max_num_seqs,
                                max_num_batched_tokens=sched.max_num_batched_tokens,
-                               dp_size=self.dp_size)
+                               dp_size=self.dp_size,
+                               lean_steps=config.runner_config.lean_steps)
 
         self.num_blocks = cache_config.num_gpu_blocks_override
         if self.num_blocks is None:

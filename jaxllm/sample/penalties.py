@@ -29,24 +29,16 @@ def init_penalty_state(max_num_seqs: int, vocab_size: int) -> PenaltyState:
                         prompt_mask=jnp.zeros((rows, vocab_size), jnp.bool_))
 
 
-def garbage_row(state: PenaltyState) -> int:
-    return state.output_counts.shape[0] - 1
-
-
 def record_tokens(state: PenaltyState, token_ids: jax.Array, token_rows: jax.Array,
                   token_is_output: jax.Array, reset_rows: jax.Array) -> PenaltyState:
     """Zeroes reset_rows [S] (garbage row = no reset), then records token_ids [T] into
     token_rows [T]: prompt tokens set prompt_mask, output tokens add to output_counts."""
-    garbage = garbage_row(state)
-
-    def reset(s: PenaltyState) -> PenaltyState:
-        return PenaltyState(output_counts=s.output_counts.at[reset_rows].set(0),
-                            prompt_mask=s.prompt_mask.at[reset_rows].set(False))
-
-    # Decode steps reset nothing; skip touching the [S, V] rows then.
-    state = jax.lax.cond(jnp.any(reset_rows != garbage), reset, lambda s: s, state)
-    counts = state.output_counts.at[token_rows, token_ids].add(token_is_output.astype(jnp.int32))
-    prompt_mask = state.prompt_mask.at[token_rows, token_ids].max(~token_is_output)
+    # Unconditional (S rows of V, the garbage row on decode steps): a lax.cond would make a
+    # GPU host wait for the device every step.
+    counts = state.output_counts.at[reset_rows].set(0)
+    prompt_mask = state.prompt_mask.at[reset_rows].set(False)
+    counts = counts.at[token_rows, token_ids].add(token_is_output.astype(jnp.int32))
+    prompt_mask = prompt_mask.at[token_rows, token_ids].max(~token_is_output)
     return PenaltyState(output_counts=counts, prompt_mask=prompt_mask)
 
 

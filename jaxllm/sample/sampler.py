@@ -39,18 +39,24 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
-           seq_rows: jax.Array) -> SamplerOutput:
-    """logits [S, V] f32 (one row per sequence), seq_rows [S] i32: each sequence's penalty row."""
+           seq_rows: jax.Array, lean: bool = False) -> SamplerOutput:
+    """logits [S, V] f32 (one row per sequence), seq_rows [S] i32: each sequence's penalty row.
+
+    lean (static): the caller guarantees no row uses top-k/top-p or logprobs; the sampler then
+    runs without lax.cond (penalties and the random draw for every row, neutral where unused:
+    the same tokens), since on a GPU each cond makes the host wait for the device."""
     logits = logits.astype(jnp.float32)
     raw_logits = logits
-    logits = jax.lax.cond(
-        md.any_penalties,
-        lambda x: apply_penalties(x, state, seq_rows, md.presence_penalty,
-                                  md.frequency_penalty, md.repetition_penalty),
-        lambda x: x, logits)
+    penalize = lambda x: apply_penalties(x, state, seq_rows, md.presence_penalty,  # noqa: E731
+                                         md.frequency_penalty, md.repetition_penalty)
+    logits = penalize(logits) if lean else jax.lax.cond(md.any_penalties, penalize,
+                                                        lambda x: x, logits)
     logits = mask_ids(logits, md.min_tokens_stop_ids)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = md.temperature < _SAMPLING_EPS
+    if lean:
+        token_ids = jnp.where(is_greedy, greedy_ids, _sample_random(logits, md, top_k_top_p=False))
+        return SamplerOutput(token_ids=token_ids, logprobs=empty_logprobs(logits.shape[0]))
     token_ids = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_ids,
                              lambda x: jnp.where(is_greedy, greedy_ids, _sample_random(x, md)),
                              logits)
@@ -59,11 +65,13 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
-def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+def _sample_random(logits: jax.Array, md: SamplingMetadata, top_k_top_p: bool = True) -> jax.Array:
     temperature = jnp.where(md.temperature < _SAMPLING_EPS, 1.0, md.temperature)
     logits = apply_min_p(logits / temperature[:, None], md.min_p)
-    logits = jax.lax.cond(md.any_top_k_top_p, lambda x: apply_top_k_top_p(x, md.top_k, md.top_p),
-                          lambda x: x, logits)
+    if top_k_top_p:
+        logits = jax.lax.cond(md.any_top_k_top_p,
+                              lambda x: apply_top_k_top_p(x, md.top_k, md.top_p),
+                              lambda x: x, logits)
     return gumbel_max(logits, request_keys(md.seeds, md.output_index))
 
 

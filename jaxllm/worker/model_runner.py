@@ -108,9 +108,15 @@ def _placement(rank_scheduled, rank_cu_q_lens, rank_want_prompt, num_tokens_padd
 class ModelRunner:
     def __init__(self, model_fn: Callable, params, kv_caches, *, vocab_size: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 dp_size: int = 1) -> None:
+                 dp_size: int = 1, lean_steps: bool | None = None) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
-        SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool."""
+        SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
+
+        lean_steps (default: on a GPU): also compile each bucket without the sampler's optional
+        stages (top-k/top-p, logprobs, prompt logprobs) and without any lax.cond, and run that
+        program for batches that use none of them. On a GPU every lax.cond makes the host wait
+        for the device to reach it (XLA reads the predicate back), which stalls async
+        scheduling; the full program keeps them, so only batches that use them pay."""
         self.params = params
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -127,8 +133,9 @@ class ModelRunner:
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._rows: dict[str, int] = {}
         self.block_tables = BlockTables(num_rows + 1, self.max_blocks_per_seq)
+        self.lean_steps = jax.default_backend() == "gpu" if lean_steps is None else lean_steps
 
-        def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout):
+        def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout, lean):
             (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
              next_prompt_ids, any_prompt_logprobs) = unpack(packed_inputs, layout)
             batch = dataclasses.replace(batch, token_ids=jnp.where(
@@ -137,28 +144,36 @@ class ModelRunner:
             logits, kv_caches, hidden = model_fn(params, kv_caches, batch, return_hidden=True)
             penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, token_rows,
                                                   token_is_output, reset_rows)
-            out = sampler.sample(logits, sampling_md, penalty_state, seq_rows)
+            out = sampler.sample(logits, sampling_md, penalty_state, seq_rows, lean=lean)
             last_sampled = last_sampled.at[sample_rows].set(out.token_ids)
-            prompt_logprobs = jax.lax.cond(
-                any_prompt_logprobs,
-                lambda: chunked_logprobs(partial(compute_logits, params), hidden,
-                                         next_prompt_ids),
-                lambda: empty_logprobs(hidden.shape[0]))
+            if lean:
+                prompt_logprobs = empty_logprobs(hidden.shape[0])
+            else:
+                prompt_logprobs = jax.lax.cond(
+                    any_prompt_logprobs,
+                    lambda: chunked_logprobs(partial(compute_logits, params), hidden,
+                                             next_prompt_ids),
+                    lambda: empty_logprobs(hidden.shape[0]))
             return (out, prompt_logprobs), kv_caches, penalty_state, last_sampled
 
-        self._step = jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(5,))
-        self._compiled: dict = {}  # packed-input layout -> the step compiled for it (warm-up)
+        self._step = jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(5, 6))
+        self._compiled: dict = {}  # (packed-input layout, lean) -> the step compiled for it
 
-    def _dispatch(self, inputs: tuple):
+    def _dispatch(self, inputs: tuple, lean: bool = False):
         """Runs the step on (batch, sampling_md, token_rows, token_is_output, reset_rows,
         seq_rows, sample_rows, next_prompt_ids, any_prompt_logprobs), sent as one packed
-        buffer: through the executable the warm-up compiled for its layout, or else jit."""
+        buffer: through the executable the warm-up compiled for it, or else jit."""
         packed, layout = pack(inputs)
         state = (self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed)
-        compiled = self._compiled.get(layout)
+        compiled = self._compiled.get((layout, lean))
         out, self.kv_caches, self.penalty_state, self.last_sampled = (
-            compiled(*state) if compiled is not None else self._step(*state, layout))
+            compiled(*state) if compiled is not None else self._step(*state, layout, lean))
         return out
+
+    def _can_run_lean(self, inputs: tuple) -> bool:
+        sampling_md, any_prompt_logprobs = inputs[1], inputs[8]
+        return self.lean_steps and not (sampling_md.any_top_k_top_p or sampling_md.any_logprobs
+                                        or any_prompt_logprobs)
 
     # -- per-request state ------------------------------------------------------------------
     def release(self, request_ids) -> None:
@@ -190,7 +205,8 @@ class ModelRunner:
             max(out.num_scheduled_tokens for out in rank_outputs))
         inputs, placement = self._build_inputs([out.scheduled for out in rank_outputs],
                                                num_tokens_padded, num_seqs_padded)
-        return LaunchedStep(scheduler_output.scheduled, *placement, self._dispatch(inputs))
+        return LaunchedStep(scheduler_output.scheduled, *placement,
+                            self._dispatch(inputs, self._can_run_lean(inputs)))
 
     def _build_inputs(self, rank_scheduled: list[list[ScheduledRequest]], num_tokens_padded: int,
                       num_seqs_padded: int) -> tuple[tuple, tuple]:
@@ -317,30 +333,34 @@ class ModelRunner:
         """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
         packed, layout = pack(self._padding_inputs(self.buckets[-1]))
         compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state,
-                                    self.last_sampled, packed, layout).compile()
+                                    self.last_sampled, packed, layout, False).compile()
         analysis = compiled.memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
 
     def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
-        """Compiles every bucket ahead of time, in parallel (XLA compiles without holding the
-        GIL), then runs each once; steps go through these executables, so nothing compiles
-        while serving."""
+        """Compiles every bucket (both programs with lean_steps) ahead of time, in parallel (XLA
+        compiles without holding the GIL), then runs each once; steps go through these
+        executables, so nothing compiles while serving."""
         start = time.perf_counter()
+        variants = (False, True) if self.lean_steps else (False,)
         lowered = {}
         for num_tokens_padded in self.buckets:  # tracing holds the GIL: one at a time
             packed, layout = pack(self._padding_inputs(num_tokens_padded))
-            lowered[layout] = (num_tokens_padded, self._step.lower(
-                self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed,
-                layout))
-        progress(f"warm-up: traced {len(lowered)} buckets, {time.perf_counter() - start:.1f}s")
+            for lean in variants:
+                lowered[layout, lean] = (num_tokens_padded, self._step.lower(
+                    self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed,
+                    layout, lean))
+        progress(f"warm-up: traced {len(lowered)} programs, {time.perf_counter() - start:.1f}s")
         workers = max(1, min(len(lowered), os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(step.compile): layout for layout, (_, step) in lowered.items()}
+            futures = {pool.submit(step.compile): key for key, (_, step) in lowered.items()}
             for n, future in enumerate(as_completed(futures), 1):
-                layout = futures[future]
-                self._compiled[layout] = future.result()
-                progress(f"warm-up: compiled bucket {n}/{len(lowered)} "
-                         f"({lowered[layout][0]} tokens), {time.perf_counter() - start:.1f}s")
+                key = futures[future]
+                self._compiled[key] = future.result()
+                progress(f"warm-up: compiled {n}/{len(lowered)} ({lowered[key][0]} tokens"
+                         f"{', lean' if key[1] else ''}), {time.perf_counter() - start:.1f}s")
         for num_tokens_padded in self.buckets:
-            jax.block_until_ready(self._dispatch(self._padding_inputs(num_tokens_padded)))
+            for lean in variants:
+                jax.block_until_ready(self._dispatch(self._padding_inputs(num_tokens_padded),
+                                                     lean))
         progress(f"warm-up: done, {time.perf_counter() - start:.1f}s")
