@@ -10,7 +10,6 @@ import tempfile
 import time
 
 import httpx
-import openai
 
 
 def free_port() -> int:
@@ -63,11 +62,14 @@ class RemoteServer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def client(self, **kwargs) -> openai.OpenAI:
+    # openai is a test dependency: benchmarks (serve_sweep.py) use this class without it.
+    def client(self, **kwargs):
+        import openai
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "EMPTY",
                              max_retries=0, timeout=120, **kwargs)
 
-    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+    def async_client(self, **kwargs):
+        import openai
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "EMPTY",
                                   max_retries=0, timeout=120, **kwargs)
 
