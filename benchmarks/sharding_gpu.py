@@ -27,7 +27,7 @@ CONFIGS = {  # name -> (preset, engine kwargs, measure latency?)
     "qwen3moe_ep2": ("qwen3-30b-a3b", dict(tensor_parallel_size=2, enable_expert_parallel=True),
                      False),
 }
-TIMEOUT_S = 160
+TIMEOUT_S = {"llama-3.1-8b": 160, "qwen3-30b-a3b": 420}  # per config: load + compile + runs
 MAX_MODEL_LEN = 1024
 
 
@@ -100,9 +100,10 @@ def main() -> None:
     results = []
     for name in [opts.only] if opts.only else CONFIGS:
         print(f"== {name}", flush=True)
+        timeout_s = TIMEOUT_S[CONFIGS[name][0]]
         try:
             proc = subprocess.run([sys.executable, __file__, "--out", opts.out, "--child", name],
-                                  capture_output=True, text=True, timeout=TIMEOUT_S)
+                                  capture_output=True, text=True, timeout=timeout_s)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if lines:
                 result = json.loads(lines[-1][len("RESULT "):])
@@ -111,7 +112,7 @@ def main() -> None:
                 with open(os.path.join(opts.out, f"{name}.stderr.txt"), "w") as f:
                     f.write(proc.stderr)
         except subprocess.TimeoutExpired:
-            result = {"name": name, "error": f"timed out after {TIMEOUT_S}s"}
+            result = {"name": name, "error": f"timed out after {timeout_s}s"}
         print(result, flush=True)
         results.append(result)
     with open(os.path.join(opts.out, "sharding.json"), "w") as f:

@@ -338,29 +338,27 @@ class ModelRunner:
         return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
 
     def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
-        """Compiles every bucket (both programs with lean_steps) ahead of time, in parallel (XLA
-        compiles without holding the GIL), then runs each once; steps go through these
-        executables, so nothing compiles while serving."""
+        """Compiles every bucket (both programs with lean_steps) ahead of time, then runs each
+        once; steps go through these executables, so nothing compiles while serving. Tracing
+        holds the GIL, so programs are traced one at a time, and each compiles in a thread pool
+        (XLA compiles without the GIL) while the next ones are traced."""
         start = time.perf_counter()
         variants = (False, True) if self.lean_steps else (False,)
-        lowered = {}
-        for num_tokens_padded in self.buckets:  # tracing holds the GIL: one at a time
-            packed, layout = pack(self._padding_inputs(num_tokens_padded))
-            for lean in variants:
-                lowered[layout, lean] = (num_tokens_padded, self._step.lower(
-                    self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed,
-                    layout, lean))
-        progress(f"warm-up: traced {len(lowered)} programs, {time.perf_counter() - start:.1f}s")
-        workers = max(1, min(len(lowered), os.cpu_count() or 1))
-        with ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(step.compile): key for key, (_, step) in lowered.items()}
+        programs = [(n, lean) for n in self.buckets for lean in variants]
+        futures = {}
+        with ThreadPoolExecutor(max(1, min(len(programs), os.cpu_count() or 1))) as pool:
+            for num_tokens_padded, lean in programs:
+                packed, layout = pack(self._padding_inputs(num_tokens_padded))
+                lowered = self._step.lower(self.params, self.kv_caches, self.penalty_state,
+                                           self.last_sampled, packed, layout, lean)
+                futures[pool.submit(lowered.compile)] = (layout, lean, num_tokens_padded)
+            progress(f"warm-up: traced {len(programs)} programs, "
+                     f"{time.perf_counter() - start:.1f}s")
             for n, future in enumerate(as_completed(futures), 1):
-                key = futures[future]
-                self._compiled[key] = future.result()
-                progress(f"warm-up: compiled {n}/{len(lowered)} ({lowered[key][0]} tokens"
-                         f"{', lean' if key[1] else ''}), {time.perf_counter() - start:.1f}s")
-        for num_tokens_padded in self.buckets:
-            for lean in variants:
-                jax.block_until_ready(self._dispatch(self._padding_inputs(num_tokens_padded),
-                                                     lean))
+                layout, lean, num_tokens_padded = futures[future]
+                self._compiled[layout, lean] = future.result()
+                progress(f"warm-up: compiled {n}/{len(programs)} ({num_tokens_padded} tokens"
+                         f"{', lean' if lean else ''}), {time.perf_counter() - start:.1f}s")
+        for num_tokens_padded, lean in programs:
+            jax.block_until_ready(self._dispatch(self._padding_inputs(num_tokens_padded), lean))
         progress(f"warm-up: done, {time.perf_counter() - start:.1f}s")
