@@ -18,6 +18,29 @@ import os
 import time
 
 
+def write_plot(results: dict, path: str) -> None:
+    """Mean and p99 TTFT and TPOT against the request rate (inf drawn past the last rate)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((r["request_rate"], r) for k, r in results.items() if k.startswith("rate_"))
+    finite = [rate for rate, _ in runs if rate != float("inf")]
+    x = [rate if rate != float("inf") else 4 * max(finite, default=1) for rate, _ in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("ttft", "tpot")):
+        for stat in ("mean", "p99"):
+            ax.plot(x, [r[f"{stat}_{metric}_ms"] for _, r in runs], marker="o", label=stat)
+        ax.set(xscale="log", yscale="log", xlabel="request rate (req/s; rightmost: inf)",
+               ylabel=f"{metric.upper()} (ms)", title=metric.upper())
+        ax.set_xticks(x, [f"{rate:g}" for rate, _ in runs])
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"jaxllm serve {results.get('model', '')}: {results.get('input_len', '')} in / "
+                 f"{results.get('output_len', '')} out")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
 def main() -> None:
     from jaxllm.bench.datasets import random_requests
     from jaxllm.bench.serve import benchmark, format_result
@@ -32,15 +55,21 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-arrival-s", type=float, default=60.0)
+    parser.add_argument("--plot-only", action="store_true", help="redraw OUT/sweep.png")
     parser.add_argument("--server-args", default="--load-format dummy --dtype bfloat16 "
                         "--max-model-len 4096 --max-num-seqs 256")
     a = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.makedirs(a.out, exist_ok=True)
+    if a.plot_only:
+        with open(os.path.join(a.out, "sweep.json")) as f:
+            write_plot(json.load(f), os.path.join(a.out, "sweep.png"))
+        return
     os.environ.setdefault("JAX_PLATFORMS", "")  # RemoteServer defaults its child to the CPU
     start = time.perf_counter()
     server = RemoteServer(a.model, a.server_args.split(), startup_timeout=240)
-    results = {"server_ready_s": time.perf_counter() - start, "server_args": a.server_args}
+    results = {"server_ready_s": time.perf_counter() - start, "server_args": a.server_args,
+               "model": a.model, "input_len": a.input_len, "output_len": a.output_len}
     print(f"server ready in {results['server_ready_s']:.1f}s", flush=True)
     vocab_size = (PRESETS[a.model]["vocab_size"] if a.model in PRESETS else
                   json.load(open(os.path.join(a.model, "config.json")))["vocab_size"])
@@ -55,6 +84,7 @@ def main() -> None:
             results[f"rate_{rate:g}"] = result
             with open(os.path.join(a.out, "sweep.json"), "w") as f:
                 json.dump(results, f, indent=1)
+        write_plot(results, os.path.join(a.out, "sweep.png"))
     finally:
         with open(os.path.join(a.out, "server.log"), "w") as f:
             f.write(server.log_tail(200_000))
