@@ -66,6 +66,10 @@ class DPScheduler:
     def get_num_unfinished_requests(self) -> int:
         return sum(self.rank_loads())
 
+    @property
+    def num_running(self) -> int:
+        return sum(rank.num_running for rank in self.ranks)
+
     def make_stats(self) -> SchedulerStats:
         """Counts summed over the ranks; kv_cache_usage is their mean (pools are equal)."""
         stats = [rank.make_stats() for rank in self.ranks]
