@@ -135,6 +135,10 @@ class ModelRunner:
         self.block_tables = BlockTables(num_rows + 1, self.max_blocks_per_seq)
         self.lean_steps = jax.default_backend() == "gpu" if lean_steps is None else lean_steps
 
+        # Its own jit so that tracing it once per bucket serves both the full and lean programs
+        # (inlined when the step is lowered; nothing changes at run time).
+        model_fn = jax.jit(model_fn, static_argnames=("return_hidden",))
+
         def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout, lean):
             (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
              next_prompt_ids, any_prompt_logprobs) = unpack(packed_inputs, layout)
