@@ -88,9 +88,10 @@ class RunnerConfig:
     # work between steps overlaps the device's: on an H200 the 8B shape's batch-1 decode step
     # went from 7.50 to 5.07 ms (docs/benchmarks.md). Exact: tests/test_engine.py runs both.
     async_scheduling: bool = True
-    # Also compile a lean program per bucket (no top-k/top-p, logprobs or lax.cond) for the
-    # batches that need none of those: on a GPU each cond stalls the host until the device
-    # reaches it. None: on a GPU only (on a CPU the cond costs nothing and warm-up would double).
+    # No lax.cond in a step (on a GPU each one stalls the host until the device reaches it):
+    # two programs per bucket, "plain" (no top-k/top-p, no logprobs) and "all", and prompt
+    # logprobs as a program of their own. None: on a GPU only (a CPU runs a cond for free and
+    # its warm-up would double).
     lean_steps: bool | None = None
 
     def __post_init__(self) -> None:

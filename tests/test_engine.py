@@ -140,16 +140,16 @@ def plain_params(rng: random.Random) -> SamplingParams:
                           n=rng.choice([1, 2]), max_tokens=rng.randint(1, 40))
 
 
-def record_lean_flags(llm) -> list[bool]:
-    """Which program (lean or full) each dispatched step ran."""
-    runner, flags = llm.llm_engine.runner, []
+def record_programs(llm) -> list[str]:
+    """Which program (sampler stages) each dispatched step ran."""
+    runner, programs = llm.llm_engine.runner, []
     dispatch = runner._dispatch
 
-    def recording(inputs, lean=False):
-        flags.append(lean)
-        return dispatch(inputs, lean)
+    def recording(inputs, stages="cond"):
+        programs.append(stages)
+        return dispatch(inputs, stages)
     runner._dispatch = recording
-    return flags
+    return programs
 
 
 @pytest.mark.parametrize("async_scheduling, lean_steps", [(False, False), (True, True)])
@@ -157,7 +157,7 @@ def test_no_compilation_after_warmup(async_scheduling, lean_steps, tiny_llama_di
     # warm-up on
     llm = make_llm(tiny_llama_dir, max_num_batched_tokens=32, async_scheduling=async_scheduling,
                    lean_steps=lean_steps)
-    lean_flags = record_lean_flags(llm)
+    programs = record_programs(llm)
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
@@ -178,27 +178,32 @@ def test_no_compilation_after_warmup(async_scheduling, lean_steps, tiny_llama_di
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
-    assert set(lean_flags) == ({False, True} if lean_steps else {False}), set(lean_flags)
+    assert set(programs) == ({"plain", "all"} if lean_steps else {"cond"}), set(programs)
     assert_all_blocks_free(llm)
 
 
-def test_lean_steps_generate_what_full_steps_generate(tiny_llama_dir):
+def test_lean_steps_generate_what_cond_steps_generate(tiny_llama_dir):
+    """The cond-free programs (and prompt logprobs after the step) against the one program
+    with conds: the same tokens, logprobs and prompt logprobs."""
     rng = random.Random(3)
-    prompts = random_prompts(21, 6, 300, lengths=(1, 40))
+    prompts = random_prompts(21, 6, 300, lengths=(2, 40))
     params = [plain_params(rng) for _ in prompts]
     for p in params:
         p.seed = 5 if p.seed is None else p.seed  # unseeded draws differ between engines
+    filtered = [SamplingParams(temperature=0.8, top_p=0.7, top_k=9, logprobs=3, seed=1,
+                               max_tokens=12),
+                SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=5)]
     got = {}
     for lean in (False, True):
         llm = make_llm(tiny_llama_dir, enforce_eager=True, lean_steps=lean)
-        lean_flags = record_lean_flags(llm)
-        got[lean] = [[c.token_ids for c in o.outputs]
-                     for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert set(lean_flags) == {lean}
+        programs = record_programs(llm)
+        runs = [llm.generate(prompts, params, use_tqdm=False),
+                llm.generate(prompts[:2], filtered, use_tqdm=False)]
+        got[lean] = [[(c.token_ids, c.logprobs) for c in o.outputs] + [o.prompt_logprobs]
+                     for run in runs for o in run]
+        assert set(programs) == ({"plain", "all"} if lean else {"cond"}), set(programs)
         assert_all_blocks_free(llm)
     assert got[True] == got[False]
-
-
 @pytest.fixture(scope="module")
 def llms(tiny_llama_dir) -> dict[bool, LLM]:
     """async_scheduling -> an engine, shared by the tests below."""

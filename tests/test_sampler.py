@@ -242,20 +242,25 @@ def test_seeded_request_reproduces_regardless_of_batch():
     assert len(draws) > 3  # the output index advances the key
 
 
-def test_lean_sampler_draws_what_the_full_one_draws():
-    """The runner's lean program (no cond; penalties and the random draw always on) must give
-    every batch it may take (no top-k/top-p, no logprobs) the tokens of the full program."""
+def test_stage_modes_draw_the_same_tokens():
+    """The runner's cond-free programs must give a batch what the cond program gives it:
+    "plain" (no top-k/top-p, no logprobs) for batches that need neither, "all" for any batch."""
     rng = np.random.default_rng(9)
     state, _, _ = random_penalty_state(rng)
-    lean_jit = jax.jit(partial(sampler.sample, lean=True))
-    batches = [
+    modes = {m: jax.jit(partial(sampler.sample, stages=m)) for m in ("cond", "all", "plain")}
+    plain = [
         [SamplingParams(temperature=0)] * 3,  # all greedy
         [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
          SamplingParams(temperature=1.3, min_p=0.1, repetition_penalty=1.4),
          SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0)],
         [SamplingParams(temperature=1.0, min_tokens=4)],
     ]
-    for i, params in enumerate(batches):
+    filtered = [
+        [SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=0, logprobs=3),
+         SamplingParams(temperature=1.2, top_p=0.6, presence_penalty=1.5)],
+        [SamplingParams(temperature=0.7, top_p=0.9, top_k=20, logprobs=2, min_p=0.05)],
+    ]
+    for i, params in enumerate(plain + filtered):
         params = [SamplingParams(**{**vars(p), "all_stop_token_ids": {5, 9}}) for p in params]
         logits = logits_of(40 + i, 8, scale=1.0)
         seq_rows = rng.permutation(MAX_SEQS)[:8].astype(np.int32)
@@ -263,12 +268,18 @@ def test_lean_sampler_draws_what_the_full_one_draws():
         state = record_jit(state, logits.argmax(-1), seq_rows, np.ones(8, bool),
                            np.full(4, GARBAGE, np.int32))
         md = build_sampling_metadata(params, [1] * len(params), [11 + i] * len(params), 8)
-        assert not (md.any_top_k_top_p or md.any_logprobs)
+        assert bool(md.any_top_k_top_p or md.any_logprobs) == (i >= len(plain))
         for step in range(5):
             md.output_index[:len(params)] = step
-            full = sample_jit(jnp.asarray(logits), md, state, jnp.asarray(seq_rows))
-            lean = lean_jit(jnp.asarray(logits), md, state, jnp.asarray(seq_rows))
-            np.testing.assert_array_equal(np.asarray(lean.token_ids), np.asarray(full.token_ids))
+            out = {m: fn(jnp.asarray(logits), md, state, jnp.asarray(seq_rows))
+                   for m, fn in modes.items()}
+            np.testing.assert_array_equal(out["all"].token_ids, out["cond"].token_ids)
+            for field in ("top_ids", "top_logprobs", "sampled_logprob", "sampled_rank"):
+                if md.any_logprobs:
+                    np.testing.assert_array_equal(getattr(out["all"].logprobs, field),
+                                                  getattr(out["cond"].logprobs, field))
+            if i < len(plain):
+                np.testing.assert_array_equal(out["plain"].token_ids, out["cond"].token_ids)
 
 
 def test_temperature_sampling_matches_softmax():

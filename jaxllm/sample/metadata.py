@@ -3,7 +3,7 @@
 Every per-request knob is an array row, never a static argument, so one compiled step serves any
 mix of temperatures, top-k/p, penalties and seeds. Scalar flags let the jitted sampler skip
 whole stages (the top-k/top-p sort, penalties, logprobs) with lax.cond when no row uses them,
-and tell the runner when a batch can take its lean program (no optional stage, no cond).
+and tell the runner which of its cond-free programs a batch needs (sampler.sample's stages).
 """
 
 from __future__ import annotations

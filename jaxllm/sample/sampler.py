@@ -39,39 +39,48 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
-           seq_rows: jax.Array, lean: bool = False) -> SamplerOutput:
+           seq_rows: jax.Array, stages: str = "cond") -> SamplerOutput:
     """logits [S, V] f32 (one row per sequence), seq_rows [S] i32: each sequence's penalty row.
 
-    lean (static): the caller guarantees no row uses top-k/top-p or logprobs; the sampler then
-    runs without lax.cond (penalties and the random draw for every row, neutral where unused:
-    the same tokens), since on a GPU each cond makes the host wait for the device."""
+    stages (static): "cond" runs each optional stage (penalties, the random draw, top-k/top-p,
+    logprobs) under a lax.cond on its batch flag, so one program serves any batch (a CPU runs a
+    cond for free); "all" runs every stage and "plain" every stage but top-k/top-p and logprobs,
+    both without a cond, since on a GPU each cond makes the host wait for the device (the
+    runner picks one of the two per batch). A stage leaves rows that do not use it unchanged,
+    so the three draw the same tokens.
+    """
+    if stages not in ("cond", "all", "plain"):
+        raise ValueError(f"stages must be cond, all or plain, got {stages!r}")
     logits = logits.astype(jnp.float32)
     raw_logits = logits
     penalize = lambda x: apply_penalties(x, state, seq_rows, md.presence_penalty,  # noqa: E731
                                          md.frequency_penalty, md.repetition_penalty)
-    logits = penalize(logits) if lean else jax.lax.cond(md.any_penalties, penalize,
-                                                        lambda x: x, logits)
+    logits = (jax.lax.cond(md.any_penalties, penalize, lambda x: x, logits) if stages == "cond"
+              else penalize(logits))
     logits = mask_ids(logits, md.min_tokens_stop_ids)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = md.temperature < _SAMPLING_EPS
-    if lean:
-        token_ids = jnp.where(is_greedy, greedy_ids, _sample_random(logits, md, top_k_top_p=False))
-        return SamplerOutput(token_ids=token_ids, logprobs=empty_logprobs(logits.shape[0]))
-    token_ids = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_ids,
-                             lambda x: jnp.where(is_greedy, greedy_ids, _sample_random(x, md)),
-                             logits)
-    logprobs = jax.lax.cond(md.any_logprobs, lambda: gather_logprobs(raw_logits, token_ids),
-                            lambda: empty_logprobs(logits.shape[0]))
+    if stages == "cond":
+        token_ids = jax.lax.cond(
+            jnp.all(is_greedy), lambda x: greedy_ids,
+            lambda x: jnp.where(is_greedy, greedy_ids, _sample_random(x, md, stages)), logits)
+        logprobs = jax.lax.cond(md.any_logprobs, lambda: gather_logprobs(raw_logits, token_ids),
+                                lambda: empty_logprobs(logits.shape[0]))
+    else:
+        token_ids = jnp.where(is_greedy, greedy_ids, _sample_random(logits, md, stages))
+        logprobs = (gather_logprobs(raw_logits, token_ids) if stages == "all"
+                    else empty_logprobs(logits.shape[0]))
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
-def _sample_random(logits: jax.Array, md: SamplingMetadata, top_k_top_p: bool = True) -> jax.Array:
+def _sample_random(logits: jax.Array, md: SamplingMetadata, stages: str) -> jax.Array:
     temperature = jnp.where(md.temperature < _SAMPLING_EPS, 1.0, md.temperature)
     logits = apply_min_p(logits / temperature[:, None], md.min_p)
-    if top_k_top_p:
-        logits = jax.lax.cond(md.any_top_k_top_p,
-                              lambda x: apply_top_k_top_p(x, md.top_k, md.top_p),
-                              lambda x: x, logits)
+    top_k_top_p = lambda x: apply_top_k_top_p(x, md.top_k, md.top_p)  # noqa: E731
+    if stages == "cond":
+        logits = jax.lax.cond(md.any_top_k_top_p, top_k_top_p, lambda x: x, logits)
+    elif stages == "all":
+        logits = top_k_top_p(logits)
     return gumbel_max(logits, request_keys(md.seeds, md.output_index))
 
 

@@ -112,11 +112,13 @@ class ModelRunner:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
-        lean_steps (default: on a GPU): also compile each bucket without the sampler's optional
-        stages (top-k/top-p, logprobs, prompt logprobs) and without any lax.cond, and run that
-        program for batches that use none of them. On a GPU every lax.cond makes the host wait
-        for the device to reach it (XLA reads the predicate back), which stalls async
-        scheduling; the full program keeps them, so only batches that use them pay."""
+        lean_steps (default: on a GPU): no lax.cond in any step. On a GPU every cond makes the
+        host wait for the device to reach it (XLA reads the predicate back), which stalls async
+        scheduling. Each bucket then has two programs, "plain" (no top-k/top-p, no logprobs)
+        for the batches that use neither and "all" (every sampler stage for every row) for
+        the rest, and prompt logprobs run as a program of their own after the step, only when
+        asked. Without lean steps one program per bucket runs each optional stage under a
+        cond ("cond"), which is free on a CPU."""
         self.params = params
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -139,7 +141,7 @@ class ModelRunner:
         # (inlined when the step is lowered; nothing changes at run time).
         model_fn = jax.jit(model_fn, static_argnames=("return_hidden",))
 
-        def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout, lean):
+        def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout, stages):
             (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
              next_prompt_ids, any_prompt_logprobs) = unpack(packed_inputs, layout)
             batch = dataclasses.replace(batch, token_ids=jnp.where(
@@ -148,36 +150,55 @@ class ModelRunner:
             logits, kv_caches, hidden = model_fn(params, kv_caches, batch, return_hidden=True)
             penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, token_rows,
                                                   token_is_output, reset_rows)
-            out = sampler.sample(logits, sampling_md, penalty_state, seq_rows, lean=lean)
+            out = sampler.sample(logits, sampling_md, penalty_state, seq_rows, stages)
             last_sampled = last_sampled.at[sample_rows].set(out.token_ids)
-            if lean:
-                prompt_logprobs = empty_logprobs(hidden.shape[0])
-            else:
+            if stages == "cond":
                 prompt_logprobs = jax.lax.cond(
                     any_prompt_logprobs,
-                    lambda: chunked_logprobs(partial(compute_logits, params), hidden,
-                                             next_prompt_ids),
+                    lambda: prompt_logprobs_of(params, hidden, next_prompt_ids),
                     lambda: empty_logprobs(hidden.shape[0]))
-            return (out, prompt_logprobs), kv_caches, penalty_state, last_sampled
+                return (out, prompt_logprobs), kv_caches, penalty_state, last_sampled
+            return (out, hidden), kv_caches, penalty_state, last_sampled
+
+        def prompt_logprobs_of(params, hidden, next_prompt_ids):
+            return chunked_logprobs(partial(compute_logits, params), hidden, next_prompt_ids)
 
         self._step = jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(5, 6))
-        self._compiled: dict = {}  # (packed-input layout, lean) -> the step compiled for it
+        self._compiled: dict = {}  # (packed-input layout, stages) -> the step compiled for it
+        self._prompt_logprobs = jax.jit(prompt_logprobs_of)  # after a lean step, when asked
 
-    def _dispatch(self, inputs: tuple, lean: bool = False):
+    @property
+    def programs(self) -> tuple[str, ...]:
+        """The sampler stages each bucket is compiled with."""
+        return ("plain", "all") if self.lean_steps else ("cond",)
+
+    def _run_step(self, inputs: tuple, stages: str) -> tuple:
         """Runs the step on (batch, sampling_md, token_rows, token_is_output, reset_rows,
         seq_rows, sample_rows, next_prompt_ids, any_prompt_logprobs), sent as one packed
-        buffer: through the executable the warm-up compiled for it, or else jit."""
+        buffer, through the executable the warm-up compiled for it (else jit); returns
+        (SamplerOutput, prompt LogprobsTensors for "cond" else the hidden states) on device."""
         packed, layout = pack(inputs)
         state = (self.params, self.kv_caches, self.penalty_state, self.last_sampled, packed)
-        compiled = self._compiled.get((layout, lean))
+        compiled = self._compiled.get((layout, stages))
         out, self.kv_caches, self.penalty_state, self.last_sampled = (
-            compiled(*state) if compiled is not None else self._step(*state, layout, lean))
+            compiled(*state) if compiled is not None else self._step(*state, layout, stages))
         return out
 
-    def _can_run_lean(self, inputs: tuple) -> bool:
-        sampling_md, any_prompt_logprobs = inputs[1], inputs[8]
-        return self.lean_steps and not (sampling_md.any_top_k_top_p or sampling_md.any_logprobs
-                                        or any_prompt_logprobs)
+    def _dispatch(self, inputs: tuple, stages: str = "cond"):
+        """The step, then (cond-free programs) prompt logprobs when asked: (SamplerOutput,
+        prompt LogprobsTensors or None) on device."""
+        sample_out, extra = self._run_step(inputs, stages)
+        if stages == "cond":
+            return sample_out, extra
+        next_prompt_ids, any_prompt_logprobs = inputs[7], inputs[8]
+        return sample_out, (self._prompt_logprobs(self.params, extra, next_prompt_ids)
+                            if any_prompt_logprobs else None)
+
+    def _stages_for(self, inputs: tuple) -> str:
+        sampling_md = inputs[1]
+        if not self.lean_steps:
+            return "cond"
+        return "all" if sampling_md.any_top_k_top_p or sampling_md.any_logprobs else "plain"
 
     # -- per-request state ------------------------------------------------------------------
     def release(self, request_ids) -> None:
@@ -210,7 +231,7 @@ class ModelRunner:
         inputs, placement = self._build_inputs([out.scheduled for out in rank_outputs],
                                                num_tokens_padded, num_seqs_padded)
         return LaunchedStep(scheduler_output.scheduled, *placement,
-                            self._dispatch(inputs, self._can_run_lean(inputs)))
+                            self._dispatch(inputs, self._stages_for(inputs)))
 
     def _build_inputs(self, rank_scheduled: list[list[ScheduledRequest]], num_tokens_padded: int,
                       num_seqs_padded: int) -> tuple[tuple, tuple]:
@@ -337,32 +358,42 @@ class ModelRunner:
         """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
         packed, layout = pack(self._padding_inputs(self.buckets[-1]))
         compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state,
-                                    self.last_sampled, packed, layout, False).compile()
+                                    self.last_sampled, packed, layout, "cond").compile()
         analysis = compiled.memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
 
     def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
-        """Compiles every bucket (both programs with lean_steps) ahead of time, then runs each
-        once; steps go through these executables, so nothing compiles while serving. Tracing
-        holds the GIL, so programs are traced one at a time, and each compiles in a thread pool
-        (XLA compiles without the GIL) while the next ones are traced."""
+        """Compiles every bucket's programs ahead of time, then runs each once (with lean steps
+        also the prompt-logprobs program, through jit); steps go through these executables, so
+        nothing compiles while serving. Tracing holds the GIL, so programs are traced one at a
+        time, and each compiles in a thread pool (XLA compiles without the GIL) while the next
+        ones are traced."""
         start = time.perf_counter()
-        variants = (False, True) if self.lean_steps else (False,)
-        programs = [(n, lean) for n in self.buckets for lean in variants]
+        programs = [(n, stages) for n in self.buckets for stages in self.programs]
         futures = {}
         with ThreadPoolExecutor(max(1, min(len(programs), os.cpu_count() or 1))) as pool:
-            for num_tokens_padded, lean in programs:
+            for num_tokens_padded, stages in programs:
                 packed, layout = pack(self._padding_inputs(num_tokens_padded))
                 lowered = self._step.lower(self.params, self.kv_caches, self.penalty_state,
-                                           self.last_sampled, packed, layout, lean)
-                futures[pool.submit(lowered.compile)] = (layout, lean, num_tokens_padded)
+                                           self.last_sampled, packed, layout, stages)
+                futures[pool.submit(lowered.compile)] = (layout, stages, num_tokens_padded)
             progress(f"warm-up: traced {len(programs)} programs, "
                      f"{time.perf_counter() - start:.1f}s")
             for n, future in enumerate(as_completed(futures), 1):
-                layout, lean, num_tokens_padded = futures[future]
-                self._compiled[layout, lean] = future.result()
-                progress(f"warm-up: compiled {n}/{len(programs)} ({num_tokens_padded} tokens"
-                         f"{', lean' if lean else ''}), {time.perf_counter() - start:.1f}s")
-        for num_tokens_padded, lean in programs:
-            jax.block_until_ready(self._dispatch(self._padding_inputs(num_tokens_padded), lean))
+                layout, stages, num_tokens_padded = futures[future]
+                self._compiled[layout, stages] = future.result()
+                progress(f"warm-up: compiled {n}/{len(programs)} ({num_tokens_padded} tokens, "
+                         f"{stages}), {time.perf_counter() - start:.1f}s")
+            # Each bucket once; the prompt-logprobs programs compile (through jit, on the
+            # steps' own hidden states) in the pool while the next steps run.
+            prompt_programs = []
+            for num_tokens_padded, stages in programs:
+                sample_out, extra = self._run_step(self._padding_inputs(num_tokens_padded),
+                                                   stages)
+                jax.block_until_ready(sample_out)
+                if stages == "all":
+                    prompt_programs.append(pool.submit(
+                        self._prompt_logprobs, self.params, extra,
+                        np.zeros(num_tokens_padded, np.int32)))
+            jax.block_until_ready([future.result() for future in prompt_programs])
         progress(f"warm-up: done, {time.perf_counter() - start:.1f}s")
