@@ -113,6 +113,24 @@ def test_measure_ceilings_on_this_device():
         assert np.isfinite(value) and value > 1e6
 
 
+def test_ceilings_of_a_mesh_divide_the_floor(monkeypatch):
+    """With TP x DP devices the floor counts all of them: the 8B decode floor at TP=4 x DP=2
+    is an eighth of one device's."""
+    from argparse import Namespace
+
+    from jaxllm.bench.throughput import measure_ceilings_for
+
+    one = roofline.Ceilings(4.0e12, 3.8e12, 7.9e14, "NVIDIA H200", "bfloat16")
+    monkeypatch.setattr(roofline, "measure_ceilings", lambda dtype: one)
+    eight = measure_ceilings_for(Namespace(dtype="bfloat16", tensor_parallel_size=4,
+                                           data_parallel_size=2))
+    assert eight.device == "8 x NVIDIA H200" and eight.hbm_bytes_per_s == 8 * 4.0e12
+    args = ModelArgs.from_hf_config(PRESETS["llama-3.1-8b"])
+    single = roofline.decode_step_floor(args, 1, 2048, one)["floor_s"]
+    assert roofline.decode_step_floor(args, 1, 2048, eight)["floor_s"] == pytest.approx(single / 8)
+    assert one.times(1) is one
+
+
 # -- serving metrics ----------------------------------------------------------------------------
 def test_calculate_metrics_by_hand():
     ok = serve.RequestResult(prompt_len=10, success=True, output_tokens=5, ttft=0.1,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -26,6 +26,16 @@ class Ceilings:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def times(self, num_devices: int) -> "Ceilings":
+        """The ceilings of num_devices such devices working together (perfect scaling): the
+        floor of an engine over a TP x DP mesh divides its bytes and FLOPs over all of them."""
+        if num_devices == 1:
+            return self
+        return replace(self, hbm_bytes_per_s=self.hbm_bytes_per_s * num_devices,
+                       gemv_bytes_per_s=self.gemv_bytes_per_s * num_devices,
+                       matmul_flops_per_s=self.matmul_flops_per_s * num_devices,
+                       device=f"{num_devices} x {self.device}")
 
 
 def _time_per_call(fn, arg, reps: int) -> float:

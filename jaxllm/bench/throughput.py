@@ -98,8 +98,9 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
-
 def measure_ceilings_for(args: argparse.Namespace) -> roofline.Ceilings:
-    """The device ceilings in the engine's dtype."""
+    """The ceilings, in the engine's dtype, of the devices the engine runs on (TP x DP of one
+    measured device)."""
     from jaxllm.loader.loader import resolve_dtype
-    return roofline.measure_ceilings(resolve_dtype(args.dtype).name)
+    return roofline.measure_ceilings(resolve_dtype(args.dtype).name).times(
+        args.tensor_parallel_size * args.data_parallel_size)
