@@ -355,10 +355,11 @@ class ModelRunner:
         return self._build_inputs([[]] * self.dp_size, *self.bucket_for(num_tokens_padded))[0]
 
     def activation_bytes(self) -> int:
-        """Temporary device memory of the largest bucket's step, from XLA's memory analysis."""
+        """Temporary device memory of the largest bucket's step (its program with every sampler
+        stage), from XLA's memory analysis."""
         packed, layout = pack(self._padding_inputs(self.buckets[-1]))
         compiled = self._step.lower(self.params, self.kv_caches, self.penalty_state,
-                                    self.last_sampled, packed, layout, "cond").compile()
+                                    self.last_sampled, packed, layout, self.programs[-1]).compile()
         analysis = compiled.memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
 
