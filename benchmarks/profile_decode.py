@@ -13,7 +13,6 @@ import glob
 import gzip
 import json
 import os
-import time
 from collections import defaultdict
 
 
@@ -36,43 +35,11 @@ def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
         for name, by_name in per_process.items()}}
 
 
-def decode_steps(engine, batch: int, context_len: int, num_steps: int,
-                 trace_dir: str | None) -> dict:
-    """Prefills `batch` random prompts, then times num_steps decode-only engine steps, traced
-    when trace_dir is given (the trace itself slows the host)."""
-    import contextlib
-
-    import jax
-    import numpy as np
-
-    from jaxllm import SamplingParams
-    from jaxllm.bench.latency import decode_tokens_needed
-
-    rng = np.random.default_rng(batch)
-    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=decode_tokens_needed(
-        engine, batch, context_len, num_steps))
-    ids = [f"profile-{batch}-{i}" for i in range(batch)]
-    for request_id in ids:
-        engine.add_request(request_id, rng.integers(0, engine.vocab_size, context_len).tolist(),
-                           params)
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-    engine.step()
-    tracing = (jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir
-               else contextlib.nullcontext())
-    with tracing:
-        start = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        wall = time.perf_counter() - start
-    assert engine.scheduler.num_running == batch, "a sequence finished inside the timed steps"
-    engine.abort_request(ids)
-    return {"batch": batch, "wall_ms_per_step": wall * 1e3 / num_steps}
-
-
 def main() -> None:
+    import jax
+
     from jaxllm import LLM
+    from jaxllm.bench.latency import measure_decode_step
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -86,17 +53,18 @@ def main() -> None:
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,
               max_num_seqs=256, max_num_batched_tokens=2048, enforce_eager=True,
-              num_gpu_blocks_override=None,
               async_scheduling=a.async_scheduling)
     engine = llm.llm_engine
     results = {}
     for batch in a.batch or [1]:
-        decode_steps(engine, batch, a.context, 2, None)  # compile
-        untraced = decode_steps(engine, batch, a.context, 4 * a.steps, None)
+        measure_decode_step(engine, batch, a.context, 2)  # compile
+        untraced = measure_decode_step(engine, batch, a.context, 4 * a.steps)
         trace_dir = os.path.join(a.out, f"trace_b{batch}")
-        timing = decode_steps(engine, batch, a.context, a.steps, trace_dir)
-        timing["untraced_wall_ms_per_step"] = untraced["wall_ms_per_step"]
-        timing.update(kernel_summary(trace_dir, a.steps))
+        traced = measure_decode_step(engine, batch, a.context, a.steps, around_timed_steps=(
+            lambda d=trace_dir: jax.profiler.trace(d, create_perfetto_trace=True)))
+        timing = {"batch": batch, "wall_ms_per_step": traced["mean_step_ms"],
+                  "untraced_wall_ms_per_step": untraced["mean_step_ms"],
+                  **kernel_summary(trace_dir, a.steps)}
         results[f"b{batch}"] = timing
         print(json.dumps(timing, indent=1), flush=True)
     with open(os.path.join(a.out, "profile.json"), "w") as f:

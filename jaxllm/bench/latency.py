@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -57,7 +58,7 @@ def format_result(result: dict) -> str:
     return "\n".join(lines)
 
 
-def decode_tokens_needed(engine, batch_size: int, context_len: int, num_steps: int) -> int:
+def _decode_tokens_needed(engine, batch_size: int, context_len: int, num_steps: int) -> int:
     """max_tokens that keeps every sequence decoding through num_steps timed steps: the batch's
     prefill takes up to this many steps, and the first prompts decode all the while."""
     budget = engine.config.scheduler_config.max_num_batched_tokens
@@ -66,12 +67,13 @@ def decode_tokens_needed(engine, batch_size: int, context_len: int, num_steps: i
 
 
 def measure_decode_step(engine, batch_size: int, context_len: int, num_steps: int,
-                        seed: int = 0) -> dict:
+                        seed: int = 0, around_timed_steps=contextlib.nullcontext) -> dict:
     """Prefills batch_size random prompts of context_len tokens, then times num_steps engine
-    steps in which every sequence decodes one token. engine: an EngineCore with nothing running."""
+    steps in which every sequence decodes one token, inside `around_timed_steps()` (e.g. a
+    profiler trace). engine: an EngineCore with nothing running."""
     if engine.has_unfinished_requests():
         raise ValueError("measure_decode_step needs an idle engine.")
-    max_tokens = decode_tokens_needed(engine, batch_size, context_len, num_steps)
+    max_tokens = _decode_tokens_needed(engine, batch_size, context_len, num_steps)
     requests = random_requests(batch_size, context_len, max_tokens, engine.vocab_size, seed=seed)
     params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=max_tokens)
     ids = [f"decode-bench-{seed}-{i}" for i in range(batch_size)]
@@ -83,10 +85,11 @@ def measure_decode_step(engine, batch_size: int, context_len: int, num_steps: in
             started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
         engine.step()  # the first step whose every sequence decodes
         times = np.empty(num_steps)
-        for i in range(num_steps):
-            start = time.perf_counter()
-            engine.step()
-            times[i] = time.perf_counter() - start
+        with around_timed_steps():
+            for i in range(num_steps):
+                start = time.perf_counter()
+                engine.step()
+                times[i] = time.perf_counter() - start
         if engine.scheduler.num_running != batch_size:
             raise RuntimeError(f"{engine.scheduler.num_running} of {batch_size} sequences "
                                "still running after the timed steps: the timing is not of "
