@@ -93,7 +93,7 @@ def _next_pow2(n: int) -> int:
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_splits, num_kv_heads):
+                      group_pad, block_q, block_k, page_size, num_splits):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -122,7 +122,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # Splits in use this step, from the live batch; the grid holds the most a bucket can use
         # and the splits past these find an empty range.
         live_programs = jnp.maximum(num_seqs_ref[0], pl.cdiv(cu_q_lens_ref[num_seqs_ref[0]],
-                                                             block_q)) * num_kv_heads
+                                                             block_q)) * pl.num_programs(1)
         splits_used = jnp.clip(pl.cdiv(2 * _NUM_SMS, live_programs), 1, num_splits)
         per_split = pl.cdiv(tile_hi - tile_lo, splits_used)
         t0 = tile_lo + split * per_split
@@ -279,7 +279,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits, num_kv_heads=num_kv_heads)
+        num_splits=num_kv_splits)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(
