@@ -1,8 +1,4 @@
-"""HF-style config dicts of well-known models, for dummy-weight benchmarks (load_format="dummy").
-
-The MoE presets (qwen3-30b-a3b, mixtral-8x7b) are configs only until an MoE block registers its
-architecture in models.args.ARCHITECTURES.
-"""
+"""HF-style config dicts of well-known models, for dummy-weight benchmarks (load_format="dummy")."""
 
 from __future__ import annotations
 
