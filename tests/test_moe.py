@@ -13,7 +13,9 @@ import pytest
 from conftest import save_random_checkpoint
 from jaxllm.loader import load_model
 from jaxllm.models import forward
+from jaxllm.models import moe
 from jaxllm.models.moe import grouped_experts, route
+from pallas_kernels.grouped_matmul import grouped_matmul
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.kv_cache import allocate_kv_caches
 
@@ -65,9 +67,14 @@ def test_moe_prefill_matches_hf(kind, tmp_path):
     assert err < 1e-4, f"{kind}: relative error {err}"
 
 
-def test_grouped_experts_match_dense_reference():
-    """ragged_dot over expert-sorted pairs == each token through its k experts, one by one; and
+@pytest.mark.parametrize("matmul", ["ragged_dot", "pallas"])
+def test_grouped_experts_match_dense_reference(matmul, monkeypatch):
+    """Grouped matmuls over expert-sorted pairs (XLA's ragged_dot, as on CPU, or the Pallas
+    kernel a GPU runs, here interpreted) == each token through its k experts, one by one; and
     the experts split in halves (EP's local compute) sum to the whole."""
+    if matmul == "pallas":
+        monkeypatch.setattr(moe, "_grouped_matmul",
+                            lambda x, w, sizes: grouped_matmul(x, w, sizes, interpret=True))
     rng = np.random.default_rng(1)
     num_tokens, hidden, inter, num_experts, top_k = 7, 8, 6, 4, 3
     x = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)

@@ -2,7 +2,9 @@
 
 Routing: softmax over all experts in fp32, top-k, renormalised when `norm_topk_prob` (Mixtral's
 softmax over the top-k logits is the same thing). Expert compute: the T*k (token, expert) pairs
-are sorted by expert and run through `jax.lax.ragged_dot`, one group per expert.
+are sorted by expert and run as grouped matmuls, one group per expert: the Pallas kernel on a
+GPU (XLA lowers `jax.lax.ragged_dot` there as a dense dot over every expert), ragged_dot
+elsewhere.
 
 Sharding (the mesh comes from the trace's abstract mesh, set by sharding.rules.ShardingPlan):
   "moe"    experts split TP-style: every device holds every expert's slice of the intermediate
@@ -23,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.args import ModelArgs
 from jaxllm.models.layers import MLPS, dense_mlp
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 DATA, TENSOR = "data", "tensor"  # sharding.mesh's axis names (models/ does not import sharding/)
 
@@ -35,6 +38,12 @@ def route(x: jax.Array, router: jax.Array, args: ModelArgs) -> tuple[jax.Array, 
     if args.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def _grouped_matmul(x, w, group_sizes):
+    if jax.default_backend() == "gpu":
+        return grouped_matmul(x, w, group_sizes)
+    return jax.lax.ragged_dot(x, w, group_sizes)
 
 
 def grouped_experts(x, weights, experts, w_gate, w_up, w_down, expert_offset):
@@ -51,9 +60,9 @@ def grouped_experts(x, weights, experts, w_gate, w_up, w_down, expert_offset):
     order = jnp.argsort(group, stable=True)
     group_sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = x[order // top_k]  # [T*k, H] sorted by expert; rows past sum(group_sizes) give zeros
-    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, H]
+    gate = _grouped_matmul(xs, w_gate, group_sizes)
+    up = _grouped_matmul(xs, w_up, group_sizes)
+    ys = _grouped_matmul(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, H]
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(num_tokens, top_k, -1)
     return jnp.einsum("tkh,tk->th", y, jnp.where(is_local, weights, 0).astype(y.dtype))
 
