@@ -59,15 +59,26 @@ def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, w_ref, out_ref, *,
             block_n, block_k, num_groups):
     item, n_tile = pl.program_id(0), pl.program_id(1)
     group = item_group_ref[item]
+    num_rows, k_dim = x_ref.shape
+    n_dim = w_ref.shape[-1]
+    rows = item_tile_ref[item] * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [Bm]
+    cols = n_tile * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [Bn]
+    col_mask = cols < n_dim
 
-    @pl.when(group >= 0)
+    def group_rows():  # [Bm] bool; only where group is a real or the tail group
+        return (rows >= bounds_ref[group]) & (rows < bounds_ref[group + 1])
+
+    def store(acc, row_mask):
+        pltriton.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
+                       mask=row_mask[:, None] & col_mask[None, :])
+
+    @pl.when(group == num_groups)  # the rows past the last expert's
     def _():
-        num_rows, k_dim = x_ref.shape
-        n_dim = w_ref.shape[-1]
-        rows = item_tile_ref[item] * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [Bm]
-        row_mask = (rows >= bounds_ref[group]) & (rows < bounds_ref[group + 1])
-        cols = n_tile * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [Bn]
-        col_mask = cols < n_dim
+        store(jnp.zeros((block_m, block_n), jnp.float32), group_rows())
+
+    @pl.when((group >= 0) & (group < num_groups))
+    def _():
+        row_mask = group_rows()
         precision = (jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32
                      else jax.lax.Precision.DEFAULT)
 
@@ -80,12 +91,8 @@ def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, w_ref, out_ref, *,
                               mask=k_mask[:, None] & col_mask[None, :], other=0)  # [Bk, Bn]
             return acc + pltriton.dot(x, w, precision=precision)
 
-        # The tail group (rows past the last expert's) runs no K steps: it stores zeros.
-        num_k_steps = jnp.where(group < num_groups, pl.cdiv(k_dim, block_k), 0)
-        acc = jax.lax.fori_loop(0, num_k_steps, k_step,
-                                jnp.zeros((block_m, block_n), jnp.float32))
-        pltriton.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
-                       mask=row_mask[:, None] & col_mask[None, :])
+        store(jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), k_step,
+                                jnp.zeros((block_m, block_n), jnp.float32)), row_mask)
 
 
 def _block_m(num_rows: int, num_groups: int) -> int:

@@ -120,3 +120,29 @@ def default_model_dir() -> str:
     from jaxllm.loader.default_model import default_model_dir as resolve
 
     return resolve()
+
+
+def lower_for_h200(fn, *args):
+    """Lowers `fn(*args)` (ShapeDtypeStructs) for CUDA on this CPU machine, under an abstract
+    H200, and runs MLIR's verifier on every Triton module a Pallas kernel produces: the GPU's
+    Triton compiler rejects a module that fails it (e.g. an scf.for whose bounds differ in type),
+    which lowering alone never checks."""
+    import jax
+    from jax._src.pallas.triton import lowering
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    lower_module = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*a, **kw):
+        result = lower_module(*a, **kw)
+        result.module.operation.verify()  # raises with the failing op
+        return result
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower_module

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from conftest import lower_for_h200
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 
 
@@ -62,11 +62,9 @@ def test_reference_is_ragged_dot():
 
 
 def test_lowers_for_cuda():
+    """Prefill-sized (64-row tiles) and decode-sized (16-row tiles) problems."""
     sds = jax.ShapeDtypeStruct
-    args = (sds((16384, 2048), jnp.bfloat16), sds((128, 2048, 768), jnp.bfloat16),
-            sds((128,), jnp.int32))
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = grouped_matmul.trace(*args).lower(lowering_platforms=("cuda",))
-    assert "grouped_matmul" in lowered.as_text()
+    for rows in (16384, 512):
+        args = (sds((rows, 2048), jnp.bfloat16), sds((128, 2048, 768), jnp.bfloat16),
+                sds((128,), jnp.int32))
+        assert "grouped_matmul" in lower_for_h200(grouped_matmul, *args)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
+from conftest import lower_for_h200
 
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
@@ -180,8 +180,6 @@ def test_lowers_for_cuda():
     tile (page 64) and per-token ids (page 16)."""
     sds = jax.ShapeDtypeStruct
     max_seqs, max_pages = 8, 16
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
     cases = [(64, (9, 3, 64), 16, jnp.bfloat16), (64, (32, 8, 128), 16, jnp.bfloat16),
              (8, (32, 8, 128), 64, jnp.bfloat16), (64, (8, 2, 64), 64, jnp.float32)]
     for num_tokens, (num_q_heads, num_kv_heads, head_dim), page_size, dtype in cases:
@@ -193,6 +191,4 @@ def test_lowers_for_cuda():
             for extra in (dict(), dict(soft_cap=30.0, sliding_window=128)):
                 fn = functools.partial(ragged_paged_attention, sm_scale=0.1,
                                        num_kv_splits=splits, **extra)
-                with jax.sharding.use_abstract_mesh(mesh):
-                    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-                assert "ragged_paged_attention" in lowered.as_text()
+                assert "ragged_paged_attention" in lower_for_h200(fn, *args)
