@@ -62,9 +62,9 @@ def test_reference_is_ragged_dot():
 
 
 def test_lowers_for_cuda():
-    """Prefill-sized (64-row tiles) and decode-sized (16-row tiles) problems."""
+    """Prefill-sized (128- and 64-row tiles) and decode-sized (16-row tiles) problems."""
     sds = jax.ShapeDtypeStruct
-    for rows in (16384, 512):
+    for rows in (65536, 8192, 512):
         args = (sds((rows, 2048), jnp.bfloat16), sds((128, 2048, 768), jnp.bfloat16),
                 sds((128,), jnp.int32))
         assert "grouped_matmul" in lower_for_h200(grouped_matmul, *args)
