@@ -64,7 +64,36 @@ def _child_main(llama_dir: str, moe_dir: str, llama_ckpt: str) -> None:
     # The Orbax checkpoint restored straight into the TP=4 shardings (KV heads expanded after).
     llama |= _generate_all(llama_ckpt, [("tp4_orbax", dict(tensor_parallel_size=4))], 384)
     print(json.dumps({"llama": llama, "moe": _generate_all(moe_dir, MOE_RUNS, 96),
-                      "serve_engine": _serve_engine_kind(llama_ckpt)}))
+                      "serve_engine": _serve_engine_kind(llama_ckpt),
+                      "tp2_step": _tp2_step_collectives(llama_dir)}))
+
+
+def _tp2_step_collectives(model_dir: str) -> dict:
+    """Per sampler-stage program of the tiny Llama's TP=2 step (one KV head per device): its
+    collectives by kind, and how many instructions copy a whole KV cache."""
+    import re
+
+    from jaxllm import LLM
+    from jaxllm.worker.packing import pack
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=16, num_gpu_blocks_override=48, block_size=8,
+              enforce_eager=True, compilation_cache_dir=None, tensor_parallel_size=2)
+    runner = llm.llm_engine.runner
+    cache = runner.kv_caches[0][0]
+    local = ",".join(map(str, cache.sharding.shard_shape(cache.shape)))
+    cache_copy = re.compile(rf"%\S*copy\S* = f32\[{local}\]|= f32\[{local}\]\S* copy\(")
+    collective = re.compile(r"= .+? (all-reduce|all-gather|all-to-all|collective-permute|"
+                            r"reduce-scatter)(-start)?\(")
+    packed, layout = pack(runner._padding_inputs(16))
+    programs = {}
+    for stages in ("cond", "plain", "all"):
+        text = runner._step.lower(runner.params, runner.kv_caches, runner.penalty_state,
+                                  runner.last_sampled, packed, layout, stages).compile().as_text()
+        kinds = [m.group(1) for m in map(collective.search, text.splitlines()) if m]
+        programs[stages] = {"collectives": {k: kinds.count(k) for k in sorted(set(kinds))},
+                            "cache_copies": len(cache_copy.findall(text))}
+    return programs
 
 
 def _serve_engine_kind(model: str) -> str:
@@ -96,12 +125,39 @@ def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert results.pop("serve_engine") == "DPEngine"
+    # The TP=2 step of a 2-layer model: the embedding's all-reduce, two per layer, one
+    # all-gather of the logits (and one of each prompt-logprobs chunk's, under "cond"); the
+    # sampler runs on replicated logits, and no KV cache is copied.
+    model_only = {"all-reduce": 5, "all-gather": 1}
+    assert results.pop("tp2_step") == {
+        "cond": {"collectives": dict(model_only, **{"all-gather": 2}), "cache_copies": 0},
+        "plain": {"collectives": model_only, "cache_copies": 0},
+        "all": {"collectives": model_only, "cache_copies": 0}}
     for model, runs in results.items():
         reference = runs["tp1"]
         assert all(len(tokens) == MAX_TOKENS for tokens in reference)
         assert len(runs) == {"llama": len(LLAMA_RUNS) + 1, "moe": len(MOE_RUNS)}[model]
         for name, outputs in runs.items():
             assert outputs == reference, f"{model} {name}: {outputs} != {reference}"
+
+
+def test_write_kv_paged_equals_the_reference():
+    """The engine's XLA KV write (at (page, offset), so that one KV head per device costs no
+    cache copies) writes what pallas_kernels' reference does."""
+    import jax.numpy as jnp
+
+    from jaxllm.worker.kv_cache import write_kv_paged
+    from pallas_kernels.kv_write import write_kv_reference
+
+    rng = np.random.default_rng(0)
+    for num_kv_heads in (1, 3):
+        cache = jnp.asarray(rng.standard_normal((6, 4, num_kv_heads, 8)), jnp.float32)
+        k, v = jnp.asarray(rng.standard_normal((2, 5, num_kv_heads, 8)), jnp.float32)
+        slots = jnp.array([5, 17, 4, 23, 9], jnp.int32)
+        got = write_kv_paged(cache, -cache, k, v, slots)
+        want = write_kv_reference(cache, -cache, k, v, slots)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def _multihost_child_main(process_id: str, port: str, model_dir: str) -> None:

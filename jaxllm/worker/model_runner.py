@@ -31,7 +31,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.core.dp_scheduler import DPSchedulerOutput
@@ -54,14 +54,38 @@ def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int
     return buckets + [max_num_batched_tokens]
 
 
-def _place_on_mesh(state, kv_caches, spec: P):
-    """On a mesh the step returns the penalty state vocab-parallel (as the logits) and
-    last_sampled replicated; placing them so from the start keeps the second step from
-    recompiling for a new input sharding."""
-    sharding = kv_caches[0][0].sharding
+def _vocab_split(params) -> NamedSharding | None:
+    """The sharding the LM head (or the tied embedding) gives the logits [N, V]; None on one
+    device."""
+    head = params.get("lm_head")
+    sharding = (head if head is not None else params["embed"]).sharding
     if not isinstance(sharding, NamedSharding):
-        return state
-    return jax.device_put(state, NamedSharding(sharding.mesh, spec))
+        return None
+    spec = tuple(sharding.spec) + (None, None)
+    return NamedSharding(sharding.mesh, P(None, spec[1] if head is not None else spec[0]))
+
+
+def _replicated(tree, mesh: Mesh | None):
+    """tree constrained to be replicated over the mesh (unchanged on one device). The step
+    keeps its unpacked inputs and token ids so: unconstrained, GSPMD gives them the sharding of
+    their uses (DP attention's token rows over "data"), so slicing each from the packed buffer
+    costs a collective-permute and record_tokens scatters split rows, then all-reduces the
+    whole [rows, V] penalty state, every step."""
+    if mesh is None:
+        return tree
+    replicated = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), tree)
+
+
+def _gather_logits(logits, split: NamedSharding | None):
+    """The LM head is vocab-parallel, so logits arrive split over vocab. Left so, GSPMD turns
+    every reduction over vocab in the sampler (argmax, softmax, sort, logprobs) into its own
+    small collective (20 in a 2-layer TP=2 step with every sampler stage, beside the model's
+    5); one all-gather of the logits leaves the sampler none. Constrained to the split
+    first: otherwise GSPMD all-gathers the LM head's weight instead, every step."""
+    if split is None:
+        return logits
+    return _replicated(jax.lax.with_sharding_constraint(logits, split), split.mesh)
 
 
 # (chosen token's logprob, its rank, top ids, top logprobs)
@@ -127,10 +151,15 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = token_buckets(max_num_batched_tokens)
         num_rows = dp_size * max_num_seqs  # penalty rows of every rank's sequences
-        self.penalty_state = _place_on_mesh(
-            sampler.init_penalty_state(num_rows, vocab_size), kv_caches, P(None, "tensor"))
+        # On a mesh the sampler runs replicated (_gather_logits), so its state is replicated too;
+        # placed so from the start, the second step does not recompile for a new sharding.
+        split = _vocab_split(params)
+        mesh = None if split is None else split.mesh
+        place = (lambda x: x) if mesh is None else partial(  # noqa: E731
+            jax.device_put, device=NamedSharding(mesh, P()))
+        self.penalty_state = place(sampler.init_penalty_state(num_rows, vocab_size))
         # [num_rows + 1] the token each penalty row's request sampled last
-        self.last_sampled = _place_on_mesh(jnp.zeros(num_rows + 1, jnp.int32), kv_caches, P())
+        self.last_sampled = place(jnp.zeros(num_rows + 1, jnp.int32))
         self.garbage_row = num_rows  # padding sequences and tokens use the last row
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._rows: dict[str, int] = {}
@@ -143,11 +172,13 @@ class ModelRunner:
 
         def step(params, kv_caches, penalty_state, last_sampled, packed_inputs, layout, stages):
             (batch, sampling_md, token_rows, token_is_output, reset_rows, seq_rows, sample_rows,
-             next_prompt_ids, any_prompt_logprobs) = unpack(packed_inputs, layout)
-            batch = dataclasses.replace(batch, token_ids=jnp.where(
+             next_prompt_ids, any_prompt_logprobs) = _replicated(unpack(packed_inputs, layout),
+                                                                 mesh)
+            batch = dataclasses.replace(batch, token_ids=_replicated(jnp.where(
                 batch.token_ids == PLACEHOLDER_TOKEN_ID, last_sampled[token_rows],
-                batch.token_ids))
+                batch.token_ids), mesh))
             logits, kv_caches, hidden = model_fn(params, kv_caches, batch, return_hidden=True)
+            logits = _gather_logits(logits, split)
             penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, token_rows,
                                                   token_is_output, reset_rows)
             out = sampler.sample(logits, sampling_md, penalty_state, seq_rows, stages)
@@ -161,7 +192,8 @@ class ModelRunner:
             return (out, hidden), kv_caches, penalty_state, last_sampled
 
         def prompt_logprobs_of(params, hidden, next_prompt_ids):
-            return chunked_logprobs(partial(compute_logits, params), hidden, next_prompt_ids)
+            return chunked_logprobs(lambda x: _gather_logits(compute_logits(params, x), split),
+                                    hidden, next_prompt_ids)
 
         self._step = jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(5, 6))
         self._compiled: dict = {}  # (packed-input layout, stages) -> the step compiled for it
