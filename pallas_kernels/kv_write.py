@@ -12,14 +12,14 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
                        slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """k_cache, v_cache: [N, P, Hkv, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
 
-    A scatter on the flattened cache; with the cache donated, XLA updates it in place.
+    A scatter at (page, offset) = divmod(slot, P) into the cache itself; with the cache donated,
+    XLA updates it in place. (Scattering into a flattened [N * P, Hkv, D] view instead made XLA
+    copy each whole cache twice per layer and step wherever a device holds one KV head.)
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-    flat = (num_pages * page_size, num_kv_heads, head_dim)
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
-    return k_cache.reshape(num_pages, page_size, num_kv_heads, head_dim), v_cache.reshape(
-        num_pages, page_size, num_kv_heads, head_dim)
+    page_size = k_cache.shape[1]
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    return (k_cache.at[page, offset].set(k.astype(k_cache.dtype)),
+            v_cache.at[page, offset].set(v.astype(v_cache.dtype)))
 
 
 # Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into

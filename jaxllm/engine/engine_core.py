@@ -35,13 +35,9 @@ logger = logging.getLogger("jaxllm")
 def _attention_backend(name: str):
     if name == "auto":
         name = "pallas" if jax.default_backend() == "gpu" else "xla"
-    # Where the Pallas KV write is not chosen, kv_cache.write_kv_paged stands in for the
-    # reference scatter (whose flattened view copies every cache twice a step where a device
-    # holds one KV head).
     if name == "pallas":
-        return ragged_paged_attention.ragged_paged_attention, (
-            kv_write.write_kv if kv_write.USE_PALLAS else kv_cache.write_kv_paged)
-    return ragged_paged_attention.ragged_paged_attention_reference, kv_cache.write_kv_paged
+        return ragged_paged_attention.ragged_paged_attention, kv_write.write_kv
+    return ragged_paged_attention.ragged_paged_attention_reference, kv_write.write_kv_reference
 
 
 def _enable_compilation_cache(path: str | None) -> None:

@@ -1,5 +1,4 @@
-"""KV cache sizing and allocation: how many blocks fit, and the per-layer page arrays; the XLA KV
-write the engine uses."""
+"""KV cache sizing and allocation: how many blocks fit, and the per-layer page arrays."""
 
 from __future__ import annotations
 
@@ -25,20 +24,6 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     shape = (num_blocks, block_size, num_kv_heads, head_dim)  # [N, P, Hkv, D]
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(make(), make()) for _ in range(num_layers)]
-
-
-def write_kv_paged(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-                   slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """pallas_kernels.kv_write.write_kv_reference's contract and result, scattered at (page,
-    offset) into the [N, P, Hkv, D] cache itself rather than into a [N * P, Hkv, D] view. With
-    one KV head per device (TP >= KV heads, or a 1-KV-head model) XLA lays the view's reshape
-    back out with the size-1 head dim major, then copies each whole cache twice per layer and
-    step to restore its layout (CPU, tiny MoE at TP=2, 131072 blocks: 255 ms a decode step
-    against 1.5 ms with this write)."""
-    page_size = k_cache.shape[1]
-    page, offset = slot_mapping // page_size, slot_mapping % page_size
-    return (k_cache.at[page, offset].set(k.astype(k_cache.dtype)),
-            v_cache.at[page, offset].set(v.astype(v_cache.dtype)))
 
 
 def device_memory_limit() -> int | None:
