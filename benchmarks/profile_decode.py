@@ -1,7 +1,10 @@
-"""Where a decode step's time goes on the GPU: a jax.profiler trace of engine steps, summed per
-GPU kernel, against the wall time of the same steps.
+"""Where a step's time goes on the GPU: a jax.profiler trace of engine steps, summed per GPU
+kernel, against the wall time of the same steps. Decode steps at a fixed batch (--batch), or
+windows of an offline throughput run (--workload IN,OUT,PROMPTS --window START ...: trace
+--steps steps from step START on; early windows hold the chunked prefills, late ones decode).
 
     python benchmarks/profile_decode.py --out DIR [--batch 1 --batch 64]
+    python benchmarks/profile_decode.py --out DIR --workload 200,180,1000 --window 20 --window 400
 
 Reads the Perfetto JSON that jax.profiler writes, so no profiler UI is needed.
 """
@@ -35,6 +38,46 @@ def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
         for name, by_name in per_process.items()}}
 
 
+def profile_workload(engine, workload: str, windows: list[int], num_steps: int, out: str) -> dict:
+    """Runs the workload through the engine's step loop, tracing num_steps steps at each window
+    start; returns per window the wall ms per step, the running sequences and the kernel sums."""
+    import time
+
+    import jax
+
+    from jaxllm.bench.datasets import random_requests
+    from jaxllm.sampling_params import SamplingParams
+
+    input_len, output_len, num_prompts = (int(x) for x in workload.split(","))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    requests = random_requests(num_prompts, input_len, output_len, engine.vocab_size, seed=0)
+    ids = [f"profile-{i}" for i in range(num_prompts)]
+    for request_id, r in zip(ids, requests):
+        engine.add_request(request_id, r.prompt, params)
+    results, step = {}, 0
+    try:
+        for start in sorted(windows):
+            while step < start and engine.has_unfinished_requests():
+                engine.step()
+                step += 1
+            trace_dir = os.path.join(out, f"trace_step{start}")
+            running, begin = engine.scheduler.num_running, time.perf_counter()
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                for _ in range(num_steps):
+                    engine.step()
+                step += num_steps
+            results[f"step{start}"] = {
+                "wall_ms_per_step": (time.perf_counter() - begin) * 1e3 / num_steps,
+                "running_before": running, "running_after": engine.scheduler.num_running,
+                **kernel_summary(trace_dir, num_steps)}
+            print(json.dumps(results[f"step{start}"], indent=1), flush=True)
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return results
+
+
 def main() -> None:
     import jax
 
@@ -48,15 +91,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--workload", help="IN,OUT,PROMPTS of an offline run to profile")
+    parser.add_argument("--window", type=int, action="append", help="first step of a window")
     a = parser.parse_args()
     dummy = not os.path.isdir(a.model)
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,
-              max_num_seqs=256, max_num_batched_tokens=2048, enforce_eager=True,
+              max_num_seqs=256, max_num_batched_tokens=2048,
+              enforce_eager=not a.workload,  # a workload's windows must not compile buckets
               async_scheduling=a.async_scheduling)
     engine = llm.llm_engine
     results = {}
-    for batch in a.batch or [1]:
+    if a.workload:
+        results = profile_workload(engine, a.workload, a.window or [20], a.steps, a.out)
+    for batch in a.batch or ([] if a.workload else [1]):
         measure_decode_step(engine, batch, a.context, 2)  # compile
         untraced = measure_decode_step(engine, batch, a.context, 4 * a.steps)
         trace_dir = os.path.join(a.out, f"trace_b{batch}")
