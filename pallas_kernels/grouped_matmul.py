@@ -1,4 +1,5 @@
-"""Grouped matmul for MoE experts: rows sorted by expert, each group times its own matrix.
+"""Grouped matmul for MoE experts: rows sorted by expert, each group times its own matrix; and
+the experts' gate/up pair fused into one pass (`grouped_swiglu`).
 
 Same contract as `jax.lax.ragged_dot(x, w, group_sizes)`: x [M, K] holds the rows of group 0,
 then group 1, ...; w [G, K, N]; rows past sum(group_sizes) come out zero. XLA on the H200 (jax
@@ -9,6 +10,8 @@ Work items are (group, row tile) pairs: a tile of `block_m` rows that holds rows
 groups is visited once per group, each visit masking to its own rows, so every expert's weights
 are read about once per step even when each has only a few rows (decode). One extra item group,
 the rows past the last group, writes zeros; every output row is stored exactly once.
+`grouped_swiglu` loads each x tile once for both matrices and writes silu(gate) * up, so the
+[M, 2N] gate/up activations never reach memory.
 """
 
 from __future__ import annotations
@@ -21,15 +24,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [M, K], w [G, K, N], group_sizes [G] -> [M, N]: every group's dense product, masked."""
+def _reference_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K], w [G, K, N], group_sizes [G] -> [M, N] fp32: every group's dense product,
+    each row's own picked, rows past the groups zero."""
     ends = jnp.cumsum(group_sizes)
     rows = jnp.arange(x.shape[0])
     row_group = jnp.sum(rows[:, None] >= ends[None, :], axis=1)  # [M]; G past the last group
     products = jnp.einsum("mk,gkn->gmn", x, w, preferred_element_type=jnp.float32)
     picked = jnp.take_along_axis(products, jnp.minimum(row_group, w.shape[0] - 1)[None, :, None],
                                  axis=0)[0]
-    return jnp.where((row_group < w.shape[0])[:, None], picked, 0).astype(x.dtype)
+    return jnp.where((row_group < w.shape[0])[:, None], picked, 0)
+
+
+def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return _reference_f32(x, w, group_sizes).astype(x.dtype)
+
+
+def grouped_swiglu_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                             group_sizes: jax.Array) -> jax.Array:
+    """silu(x @ w_gate[g]) * (x @ w_up[g]) per row, in fp32, cast once."""
+    gate, up = _reference_f32(x, w_gate, group_sizes), _reference_f32(x, w_up, group_sizes)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
 def _work_items(group_sizes: jax.Array, num_rows: int, block_m: int):
@@ -55,12 +70,14 @@ def _work_items(group_sizes: jax.Array, num_rows: int, block_m: int):
     return item_group, item_tile, bounds
 
 
-def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, w_ref, out_ref, *, block_m,
-            block_n, block_k, num_groups):
+def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, *refs, block_m, block_n, block_k,
+            num_groups):
+    """refs: one weight (x @ w) or two (silu(x @ w_gate) * (x @ w_up)), then the output."""
+    *w_refs, out_ref = refs
     item, n_tile = pl.program_id(0), pl.program_id(1)
     group = item_group_ref[item]
     num_rows, k_dim = x_ref.shape
-    n_dim = w_ref.shape[-1]
+    n_dim = out_ref.shape[-1]
     rows = item_tile_ref[item] * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [Bm]
     cols = n_tile * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [Bn]
     col_mask = cols < n_dim
@@ -82,17 +99,24 @@ def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, w_ref, out_ref, *,
         precision = (jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32
                      else jax.lax.Precision.DEFAULT)
 
-        def k_step(kt, acc):
+        def k_step(kt, accs):
             ks = kt * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
             k_mask = ks < k_dim
             x = pltriton.load(x_ref.at[rows[:, None], ks[None, :]],
                               mask=row_mask[:, None] & k_mask[None, :], other=0)  # [Bm, Bk]
-            w = pltriton.load(w_ref.at[group, ks[:, None], cols[None, :]],
-                              mask=k_mask[:, None] & col_mask[None, :], other=0)  # [Bk, Bn]
-            return acc + pltriton.dot(x, w, precision=precision)
+            w_idx, w_mask = (group, ks[:, None], cols[None, :]), k_mask[:, None] & col_mask[None, :]
+            return tuple(
+                acc + pltriton.dot(x, pltriton.load(w_ref.at[w_idx], mask=w_mask, other=0),
+                                   precision=precision)  # [Bk, Bn] weights
+                for acc, w_ref in zip(accs, w_refs))
 
-        store(jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), k_step,
-                                jnp.zeros((block_m, block_n), jnp.float32)), row_mask)
+        accs = jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), k_step,
+                                 tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs))
+        if len(accs) == 1:
+            store(accs[0], row_mask)
+        else:  # silu(gate) * up
+            gate, up = accs
+            store(gate / (1.0 + jnp.exp(-gate)) * up, row_mask)
 
 
 def _block_m(num_rows: int, num_groups: int) -> int:
@@ -106,17 +130,18 @@ def _block_m(num_rows: int, num_groups: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                   block_m: int | None = None, block_n: int = 128, block_k: int = 64,
-                   num_warps: int | None = None, num_stages: int = 3,
-                   interpret: bool = False) -> jax.Array:
-    """x [M, K] (rows sorted by group), w [G, K, N], group_sizes [G] int -> [M, N] in x's dtype."""
+def _grouped(x, weights, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
+             block_k: int = 64, num_warps: int | None = None, num_stages: int = 3,
+             interpret: bool = False):
     num_rows, k_dim = x.shape
-    num_groups, w_k, n_dim = w.shape
-    if w_k != k_dim or group_sizes.shape != (num_groups,):
-        raise ValueError(f"x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}: need "
-                         "x [M, K], w [G, K, N], group_sizes [G]")
+    num_groups, w_k, n_dim = weights[0].shape
+    if (any(w.shape != weights[0].shape for w in weights) or w_k != k_dim
+            or group_sizes.shape != (num_groups,)):
+        raise ValueError(f"x {x.shape}, w {[w.shape for w in weights]}, group_sizes "
+                         f"{group_sizes.shape}: need x [M, K], w [G, K, N], group_sizes [G]")
     block_m = block_m or _block_m(num_rows, num_groups)
+    # Two fp32 accumulators of [block_m, block_n] must fit in registers beside the operands.
+    block_n = block_n or (64 if len(weights) == 2 and block_m >= 128 else 128)
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     item_group, item_tile, bounds = _work_items(group_sizes, num_rows, block_m)
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
@@ -127,5 +152,18 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="grouped_matmul",
-    )(item_group, item_tile, bounds, x, w.astype(x.dtype))
+        name="grouped_matmul" if len(weights) == 1 else "grouped_swiglu",
+    )(item_group, item_tile, bounds, x, *(w.astype(x.dtype) for w in weights))
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, **tiles) -> jax.Array:
+    """x [M, K] (rows sorted by group), w [G, K, N], group_sizes [G] int -> [M, N] in x's dtype.
+    tiles: block_m, block_n, block_k, num_warps, num_stages (defaults by shape), interpret."""
+    return _grouped(x, (w,), group_sizes, **tiles)
+
+
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array,
+                   **tiles) -> jax.Array:
+    """silu(x @ w_gate[g]) * (x @ w_up[g]) for each row's group g: x [M, K], w_gate, w_up
+    [G, K, N] -> [M, N] in x's dtype; rows past the groups zero. tiles: as grouped_matmul."""
+    return _grouped(x, (w_gate, w_up), group_sizes, **tiles)

@@ -1,6 +1,7 @@
-"""Grouped matmul (MoE experts): the Pallas kernel in interpret mode against the pure-jnp
-reference and jax.lax.ragged_dot, on random group sizes (empty groups, one-row groups, rows past
-the last group), poisoned inputs past the groups; and its CUDA lowering on this CPU machine."""
+"""Grouped matmul and the fused gate/up pass (MoE experts): the Pallas kernels in interpret mode
+against the pure-jnp references and jax.lax.ragged_dot, on random group sizes (empty groups,
+one-row groups, rows past the last group), poisoned inputs past the groups; and their CUDA
+lowering on this CPU machine."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import lower_for_h200
-from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from pallas_kernels.grouped_matmul import (grouped_matmul, grouped_matmul_reference,
+                                           grouped_swiglu, grouped_swiglu_reference)
 
 
 def random_problem(seed, num_rows, num_groups, k_dim, n_dim, num_used, dtype):
@@ -68,3 +70,25 @@ def test_lowers_for_cuda():
         args = (sds((rows, 2048), jnp.bfloat16), sds((128, 2048, 768), jnp.bfloat16),
                 sds((128,), jnp.int32))
         assert "grouped_matmul" in lower_for_h200(grouped_matmul, *args)
+        assert "grouped_swiglu" in lower_for_h200(grouped_swiglu, *args[:2], *args[1:])
+
+
+@pytest.mark.parametrize("case", CASES[:4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_matches_reference(case, dtype):
+    """The fused gate/up pass == silu(x @ w_gate) * (x @ w_up) per group; rows past the groups
+    zero."""
+    num_rows, num_groups, k_dim, n_dim, num_used = case
+    x, w_gate, sizes = random_problem(sum(case), num_rows, num_groups, k_dim, n_dim, num_used,
+                                      dtype)
+    _, w_up, _ = random_problem(sum(case) + 1, num_rows, num_groups, k_dim, n_dim, num_used, dtype)
+    got = np.asarray(grouped_swiglu(x, w_gate, w_up, sizes, interpret=True), np.float32)
+    want = np.asarray(grouped_swiglu_reference(x, w_gate, w_up, sizes), np.float32)
+    separate = jax.nn.silu(grouped_matmul_reference(x, w_gate, sizes).astype(jnp.float32)) * \
+        grouped_matmul_reference(x, w_up, sizes).astype(jnp.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[num_used:], 0)
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(got[:num_used], want[:num_used], rtol=tol, atol=tol)
+    np.testing.assert_allclose(want[:num_used], np.asarray(separate)[:num_used], rtol=tol,
+                               atol=tol)
