@@ -147,6 +147,8 @@ def correctness(decode_tiles, prefill_tiles):
                    soft_cap=30.0),
         guarded(check_case, "32/8/128 P64 1x20000 decode", next(key), [1], [20000], HEADS, page_size=64,
                    sm_scale=0.088),
+        guarded(check_case, "8/4/256 mixed (head dim 256)", next(key), [1, 40, 1], [900, 40, 77],
+                   dict(num_q_heads=8, num_kv_heads=4, head_dim=256), sm_scale=0.0625),
     ]
     ctx = rng.integers(1, 3000, 64)
     for tiles in decode_tiles:

@@ -80,7 +80,7 @@ def poison(args):
             (q, k_cache, v_cache, kv_lens, tables, cu_q_lens, num_seqs))
 
 
-HEADS = [(9, 3, 64), (4, 1, 32), (8, 2, 128)]  # group 3 (padded to 4), 4 (MQA), 4
+HEADS = [(9, 3, 64), (4, 1, 32), (8, 2, 128), (4, 2, 256)]  # group 3 (padded to 4), MQA, 4, 2
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", HEADS)
@@ -176,12 +176,13 @@ def test_poison_catches_reads_past_kv_len():
 
 def test_lowers_for_cuda():
     """Every code path lowers for CUDA: decode and prefill buckets, one and several KV splits,
-    unmasked + masked loops (no window) and masked only (window), soft cap, fp32, one page id a
-    tile (page 64) and per-token ids (page 16)."""
+    unmasked + masked loops (no window) and masked only (window), soft cap, fp32, head dim 256,
+    one page id a tile (page 64) and per-token ids (page 16)."""
     sds = jax.ShapeDtypeStruct
     max_seqs, max_pages = 8, 16
     cases = [(64, (9, 3, 64), 16, jnp.bfloat16), (64, (32, 8, 128), 16, jnp.bfloat16),
-             (8, (32, 8, 128), 64, jnp.bfloat16), (64, (8, 2, 64), 64, jnp.float32)]
+             (8, (32, 8, 128), 64, jnp.bfloat16), (64, (8, 2, 64), 64, jnp.float32),
+             (64, (8, 4, 256), 16, jnp.bfloat16)]
     for num_tokens, (num_q_heads, num_kv_heads, head_dim), page_size, dtype in cases:
         cache = sds((64, page_size, num_kv_heads, head_dim), dtype)
         args = (sds((num_tokens, num_q_heads, head_dim), dtype), cache, cache,
