@@ -2,7 +2,9 @@
 
     python benchmarks/engine_gpu_check.py --out DIR
 
-1. A random Llama (HF-saved here) through the engine with Pallas attention against HF
+1. A random Llama, and with --hf-models also a random Qwen3-MoE (the MoE layer's Pallas grouped
+   matmul; --tensor-parallel-size / --data-parallel-size / --enable-expert-parallel lay it over
+   several GPUs), HF-saved here, through the engine with Pallas attention against HF
    transformers' greedy decoding on the GPU, token for token (fp32; bf16 agreement).
 2. The Llama-3.1-8B shape (dummy bf16): decode step time at 2k context for batch 1/8/64 against
    the bandwidth floor, with the host's share of each step (schedule, batch build + launch,
@@ -20,11 +22,19 @@ from collections import defaultdict
 import numpy as np
 
 
-def check_vs_hf(out: dict, async_scheduling: bool) -> None:
-    """A random Llama (head_dim 128, GQA group 3) saved by HF on this machine: our engine with
-    the Pallas kernel (fp32; mixed prefill/decode through a small token budget) against HF's
-    greedy decoding on the GPU, token for token. (The default model's GGUF is too large to carry
-    to the GPU machine.)"""
+_HF_CONFIGS = {  # head_dim 128, GQA group 3
+    "llama": dict(intermediate_size=1536, architectures=["LlamaForCausalLM"]),
+    "qwen3_moe": dict(intermediate_size=1536, moe_intermediate_size=256, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True,
+                      architectures=["Qwen3MoeForCausalLM"]),
+}
+
+
+def check_vs_hf(out: dict, async_scheduling: bool, kind: str = "llama", **parallel) -> None:
+    """A random model of `kind` (_HF_CONFIGS) saved by HF on this machine: our engine with the
+    Pallas kernels (fp32; mixed prefill/decode through a small token budget; `parallel`: engine
+    TP/DP/EP flags) against HF's greedy decoding on the GPU, token for token. (The default
+    model's GGUF is too large to carry to the GPU machine.)"""
     import sys
     import tempfile
 
@@ -37,10 +47,10 @@ def check_vs_hf(out: dict, async_scheduling: bool) -> None:
     from jaxllm import LLM, SamplingParams
 
     config = AutoConfig.for_model(
-        "llama", vocab_size=384, hidden_size=768, intermediate_size=1536, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+        kind, vocab_size=384, hidden_size=768, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        **_HF_CONFIGS[kind])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -68,11 +78,11 @@ def check_vs_hf(out: dict, async_scheduling: bool) -> None:
     for dtype in ("float32", "bfloat16"):
         llm = LLM(path, dtype=dtype, max_model_len=1024, max_num_seqs=8,
                   max_num_batched_tokens=128, enforce_eager=True, gpu_memory_utilization=0.3,
-                  async_scheduling=async_scheduling)
+                  async_scheduling=async_scheduling, **parallel)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         same = [sum(a == b for a, b in zip(g, e)) for g, e in zip(got, expected)]
-        out[f"hf_match_{dtype}"] = {"exact": [g == e for g, e in zip(got, expected)],
-                                     "same_tokens_of_24": same}
+        out[f"hf_match_{kind}_{dtype}"] = {"exact": [g == e for g, e in zip(got, expected)],
+                                            "same_tokens_of_24": same, **parallel}
         del llm
     print(json.dumps(out, indent=1), flush=True)
 
@@ -134,18 +144,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-models", nargs="+", default=["llama"], choices=sorted(_HF_CONFIGS))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     a = parser.parse_args()
     os.makedirs(a.out, exist_ok=True)
     out: dict = {}
     try:
-        if not a.skip_hf:
+        parallel = dict(tensor_parallel_size=a.tensor_parallel_size,
+                        data_parallel_size=a.data_parallel_size,
+                        enable_expert_parallel=a.enable_expert_parallel)
+        for kind in [] if a.skip_hf else a.hf_models:
             try:
-                check_vs_hf(out, a.async_scheduling)
-            except Exception as e:  # keep going to the 8B part
-                out["hf_check_error"] = repr(e)
-                print("HF check failed:", repr(e), flush=True)
+                check_vs_hf(out, a.async_scheduling, kind, **parallel)
+            except Exception as e:  # keep going to the next model and the 8B part
+                out[f"hf_check_error_{kind}"] = repr(e)
+                print(f"HF check of {kind} failed:", repr(e), flush=True)
         if not a.skip_8b:
             decode_8b(out, a.async_scheduling)
     finally:
