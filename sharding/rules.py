@@ -27,9 +27,15 @@ _COLUMN = ("wq", "bq", "w_gate", "w_up", "shared_gate", "shared_up")  # output d
 _ROW = ("wo", "w_down", "shared_down")  # input dim split
 _KV = ("wk", "bk", "wv", "bv")
 _EXPERTS = ("experts_gate", "experts_up", "experts_down")  # [E, H, I] / [E, I, H]
+# The compute layout (jaxllm/models/fused.py): wqkv [H, Hkv, G + 2, D], bqkv [Hkv, G + 2, D]
+# split by KV head (whole groups a device; KV heads were repeated up to TP where fewer),
+# w_gate_up [H, 2, I] by I.
+_FUSED = {"wqkv": P(None, T, None, None), "bqkv": P(T, None, None), "w_gate_up": P(None, None, T)}
 
 
 def _layer_spec(name: str, ndim: int, kv_sharded: bool, expert_parallel: bool) -> P:
+    if name in _FUSED:
+        return _FUSED[name]
     if name in _COLUMN or (name in _KV and kv_sharded):
         return P(*([None] * (ndim - 1)), T)
     if name in _ROW:

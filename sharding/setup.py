@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import ParallelConfig
 from jaxllm.loader import load_model
-from jaxllm.models import ModelArgs, forward
+from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.models.presets import PRESETS
 from sharding.mesh import make_mesh, validate_model_parallelism
 from sharding.rules import ShardingPlan
@@ -50,11 +50,13 @@ def peek_model_args(model: str | None, load_format: str) -> ModelArgs | None:
 def load_for_engine(engine_args, mesh: Mesh | None, attn: Callable,
                     write_kv: Callable) -> ShardedModel:
     """Loads the model onto `mesh` (each device reading only its shards where the config is known
-    up front) and binds forward to the sharded args, attention and KV write."""
+    up front), fuses its projections into the compute layout (jaxllm/models/fused.py) and binds
+    forward to the sharded args, attention and KV write."""
     load = partial(load_model, engine_args.model, engine_args.dtype, engine_args.load_format,
                    engine_args.seed, tokenizer=engine_args.tokenizer)
     if mesh is None:
         loaded = load()
+        loaded.params = fuse_params(loaded.params, loaded.args.num_kv_heads, free_inputs=True)
         return ShardedModel(loaded, loaded.args, partial(forward, args=loaded.args, attn=attn,
                                                          write_kv=write_kv), None)
     parallel = ParallelConfig(mesh.shape["tensor"], mesh.shape["data"],
@@ -68,6 +70,7 @@ def load_for_engine(engine_args, mesh: Mesh | None, attn: Callable,
     if plan is None:  # e.g. the default GGUF model: loaded on one device, then re-placed
         validate_model_parallelism(loaded.args, parallel)
         plan = ShardingPlan(mesh, loaded.args, engine_args.enable_expert_parallel)
-    loaded.params = plan.shard_params(loaded.params)
+    loaded.params = fuse_params(plan.shard_params(loaded.params), plan.model_args.num_kv_heads,
+                                plan.param_sharding, free_inputs=True)
     return ShardedModel(loaded, plan.model_args, plan.model_fn(forward, attn, write_kv),
                         plan.kv_cache_sharding, plan.tp)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxllm.loader import load_model
 from jaxllm.loader.default_model import default_gguf_path
-from jaxllm.models import forward
+from jaxllm.models import forward, fuse_params
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 
 CHATS = [
@@ -72,7 +72,8 @@ def test_chat_prompt_logits_match_hf_gguf(ours, hf_gguf):
     shape = (num_blocks, block_size, args.num_kv_heads, args.head_dim)
     kv_caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(args.num_layers)]
     logits, _ = jax.jit(forward, static_argnames=("args",))(
-        ours.params, kv_caches, jax.tree.map(jnp.asarray, batch), args=args)
+        fuse_params(ours.params, args.num_kv_heads), kv_caches, jax.tree.map(jnp.asarray, batch),
+        args=args)
     logits = np.asarray(logits[0])
     rel = np.max(np.abs(logits - ref)) / np.max(np.abs(ref))
     assert rel < 1e-3, rel

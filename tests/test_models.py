@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxllm.loader import load_model
-from jaxllm.models import ModelArgs, forward
+from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 
 BLOCK_SIZE = 4
@@ -39,8 +39,8 @@ def _run_step(loaded, kv_caches, chunks, all_positions: bool):
     if all_positions:  # logits at every real token, not only each sequence's last
         batch = dataclasses.replace(batch, logits_indices=np.arange(num_tokens, dtype=np.int32))
     step = jax.jit(forward, static_argnames=("args",))
-    logits, kv_caches = step(loaded.params, kv_caches, jax.tree.map(jnp.asarray, batch),
-                             args=loaded.args)
+    params = fuse_params(loaded.params, loaded.args.num_kv_heads)
+    logits, kv_caches = step(params, kv_caches, jax.tree.map(jnp.asarray, batch), args=loaded.args)
     return np.asarray(logits), kv_caches
 
 
@@ -88,3 +88,35 @@ def test_model_args_from_configs(tiny_model_dirs):
 def test_unsupported_architecture_names_it():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         ModelArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_fused_projections_equal_the_separate_ones():
+    """fuse_params' wqkv / bqkv / w_gate_up give, in one GEMM each, exactly the q, k, v and
+    gate, up of the HF-shaped matrices (query head i grouped with KV head i // G), and the
+    fused-away matrices are deleted only when asked."""
+    from jaxllm.models.transformer import _qkv
+
+    rng = np.random.default_rng(0)
+    hidden, num_heads, num_kv_heads, head_dim, inter = 16, 6, 2, 4, 10
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    layer = dict(wq=normal(hidden, num_heads * head_dim), wk=normal(hidden, num_kv_heads * head_dim),
+                 wv=normal(hidden, num_kv_heads * head_dim), bq=normal(num_heads * head_dim),
+                 bk=normal(num_kv_heads * head_dim), bv=normal(num_kv_heads * head_dim),
+                 w_gate=normal(hidden, inter), w_up=normal(hidden, inter), wo=normal(4, 4))
+    args = type("A", (), dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim))
+    fused = fuse_params({"layers": [layer]}, num_kv_heads)["layers"][0]
+    assert sorted(fused) == ["bqkv", "w_gate_up", "wo", "wqkv"]
+    h = normal(3, hidden)
+    q, k, v = _qkv(fused, h, args)
+    np.testing.assert_allclose(q, (h @ layer["wq"] + layer["bq"]).reshape(3, num_heads, head_dim),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, (h @ layer["wk"] + layer["bk"]).reshape(3, num_kv_heads, -1),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v, (h @ layer["wv"] + layer["bv"]).reshape(3, num_kv_heads, -1),
+                               rtol=1e-5, atol=1e-5)
+    gate_up = jnp.einsum("th,hci->tci", h, fused["w_gate_up"])
+    np.testing.assert_allclose(gate_up[:, 0], h @ layer["w_gate"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gate_up[:, 1], h @ layer["w_up"], rtol=1e-5, atol=1e-5)
+    assert not layer["wq"].is_deleted()
+    fuse_params({"layers": [layer]}, num_kv_heads, free_inputs=True)
+    assert layer["wq"].is_deleted() and not layer["wo"].is_deleted()

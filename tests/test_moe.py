@@ -12,7 +12,7 @@ import pytest
 
 from conftest import save_random_checkpoint
 from jaxllm.loader import load_model
-from jaxllm.models import forward
+from jaxllm.models import forward, fuse_params
 from jaxllm.models import moe
 from jaxllm.models.moe import grouped_experts, route
 from pallas_kernels.grouped_matmul import grouped_matmul
@@ -61,7 +61,8 @@ def test_moe_prefill_matches_hf(kind, tmp_path):
     batch = build_step_batch([SeqChunk(token_ids, 0, [1, 2, 3])], 16, 2, 4, 4)
     batch = dataclasses.replace(batch, logits_indices=np.arange(11, dtype=np.int32))
     step = jax.jit(forward, static_argnames=("args",))
-    logits, _ = step(loaded.params, caches, jax.tree.map(jnp.asarray, batch), args=loaded.args)
+    params = fuse_params(loaded.params, loaded.args.num_kv_heads)
+    logits, _ = step(params, caches, jax.tree.map(jnp.asarray, batch), args=loaded.args)
     ref = _hf_logits(model_dir, token_ids)
     err = float(np.max(np.abs(np.asarray(logits) - ref)) / np.max(np.abs(ref)))
     assert err < 1e-4, f"{kind}: relative error {err}"

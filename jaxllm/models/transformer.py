@@ -22,7 +22,8 @@ KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [num_blocks, block_siz
 
 
 def layer_shapes(args: ModelArgs, layer_index: int = 0) -> dict[str, tuple[int, ...]]:
-    """Per-layer weight shapes, matrices as [in, out]."""
+    """Per-layer weight shapes as stored (HF's matrices, as [in, out]; forward runs on the fused
+    layout `fuse_params` makes of them)."""
     h, q, kv, d = args.hidden_size, args.q_size, args.kv_size, args.head_dim
     shapes = {"attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
               "mlp_norm": (h,)}
@@ -51,13 +52,21 @@ def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
     return out + layer[b] if b in layer else out
 
 
+def _qkv(layer: dict, h: jax.Array, args: ModelArgs):
+    """h [T, H] -> q [T, Hq, D], k, v [T, Hkv, D]: one GEMM over the fused wqkv (models/fused.py)."""
+    qkv = jnp.einsum("th,hgcd->tgcd", h, layer["wqkv"])  # [T, Hkv, G + 2, D]
+    if "bqkv" in layer:
+        qkv = qkv + layer["bqkv"]
+    group = args.num_heads // args.num_kv_heads
+    q = qkv[:, :, :group].reshape(h.shape[0], args.num_heads, args.head_dim)
+    return q, qkv[:, :, group], qkv[:, :, group + 1]
+
+
 def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBatch, cos, sin,
                      args: ModelArgs, attn: Callable, write_kv: Callable):
     num_tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps)
-    q = _project(h, layer, "wq", "bq").reshape(num_tokens, args.num_heads, args.head_dim)
-    k = _project(h, layer, "wk", "bk").reshape(num_tokens, args.num_kv_heads, args.head_dim)
-    v = _project(h, layer, "wv", "bv").reshape(num_tokens, args.num_kv_heads, args.head_dim)
+    q, k, v = _qkv(layer, h, args)
     if args.qk_norm:
         q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
@@ -74,6 +83,7 @@ def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelAr
             write_kv: Callable = write_kv_reference, return_hidden: bool = False):
     """-> (logits [S, V] float32 at batch.logits_indices, updated kv_caches), and with
     return_hidden also the final-normed hidden states of every token [T, H] (prompt logprobs).
+    params in the compute layout (`fuse_params`).
 
     Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32.
     """
