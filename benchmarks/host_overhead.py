@@ -46,9 +46,7 @@ def step(scheduler: Scheduler, tables: BlockTables, rows: dict[str, int],
     scheduled = output.scheduled
     seq_rows = np.fromiter((rows.setdefault(s.request_id, len(rows)) for s in scheduled),
                            np.int32, len(scheduled))
-    for row, s in zip(seq_rows, scheduled):
-        if s.new_block_ids or s.num_computed_tokens == 0:
-            tables.append(row, s.new_block_ids, s.num_computed_tokens == 0)
+    tables.record_grants(seq_rows, scheduled)
     num_seqs_padded = bucket(len(scheduled))
     build_step_batch([SeqChunk(s.token_ids, s.num_computed_tokens) for s in scheduled],
                      bucket(output.num_scheduled_tokens), num_seqs_padded,

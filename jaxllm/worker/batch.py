@@ -46,12 +46,16 @@ class BlockTables:
         self.table = np.zeros((num_rows, max_blocks_per_seq), np.int32)  # [R, B]
         self.num_blocks = np.zeros(num_rows, np.int32)  # [R]
 
-    def append(self, row: int, new_block_ids: list[int], restart: bool) -> None:
-        """restart: the sequence starts over (a new or recomputed request): its table is
-        new_block_ids alone."""
-        start = 0 if restart else int(self.num_blocks[row])
-        self.table[row, start:start + len(new_block_ids)] = new_block_ids
-        self.num_blocks[row] = start + len(new_block_ids)
+    def record_grants(self, rows, scheduled) -> None:
+        """Appends each grant's new_block_ids to its row; a grant from position 0 (a new or
+        recomputed request) starts its row over with them."""
+        for row, s in zip(rows, scheduled):
+            restart = s.num_computed_tokens == 0
+            if not (s.new_block_ids or restart):
+                continue  # most decode grants add no block
+            start = 0 if restart else int(self.num_blocks[row])
+            self.table[row, start:start + len(s.new_block_ids)] = s.new_block_ids
+            self.num_blocks[row] = start + len(s.new_block_ids)
 
     def gather(self, rows: np.ndarray, num_seqs_padded: int) -> np.ndarray:
         """[S, B]: the tables of `rows`, then zero rows for padding sequences."""

@@ -293,9 +293,7 @@ class ModelRunner:
         next_prompt_ids), the indices of its requests that want prompt logprobs, its cu_q_lens."""
         num_seqs = len(scheduled)
         rows = np.fromiter((self._row_for(s.request_id) for s in scheduled), np.int32, num_seqs)
-        for row, s in zip(rows, scheduled):
-            if s.new_block_ids or s.num_computed_tokens == 0:
-                self.block_tables.append(row, s.new_block_ids, s.num_computed_tokens == 0)
+        self.block_tables.record_grants(rows, scheduled)
         batch = build_step_batch(
             [SeqChunk(s.token_ids, s.num_computed_tokens) for s in scheduled],
             num_tokens_padded, num_seqs_padded, self.max_blocks_per_seq, self.block_size,
