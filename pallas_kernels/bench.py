@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import time
 import warnings
 
@@ -321,6 +322,7 @@ def main():
                         help=f"comma-separated, of {SECTIONS}")
     parser.add_argument("--decode-seqs", default="1,8,64,256")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     sections = set(args.sections.split(","))
     log = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "correctness": [],
            "decode_sweep": [], "prefill_sweep": [], "rows": []}
