@@ -81,7 +81,9 @@ def main() -> None:
             result = asyncio.run(benchmark(server.url, "/v1/completions", a.model, requests,
                                            request_rate=rate, ignore_eos=True, use_tqdm=False))
             print(format_result(result), flush=True)
-            results[f"rate_{rate:g}"] = result
+            # the summary figures only: per-request lists (ttfts, itls, ...) run to megabytes
+            results[f"rate_{rate:g}"] = {k: v for k, v in result.items()
+                                         if not isinstance(v, list)}
             with open(os.path.join(a.out, "sweep.json"), "w") as f:
                 json.dump(results, f, indent=1)
         write_plot(results, os.path.join(a.out, "sweep.png"))

@@ -346,3 +346,18 @@ def test_async_scheduling_matches_sync_with_penalties_seeds_and_stop_strings(llm
         assert_all_blocks_free(llm)
     assert results[True] == results[False]
     assert results[True][3][2:4] == ("stop", stop)
+
+
+def test_kv_cache_budget_is_a_share_of_the_whole_device():
+    from jaxllm.worker.kv_cache import kv_cache_budget
+
+    gib = 1 << 30
+    # jax's allocator holds 92 of a 100 GiB device; 0.9 of the device, less weights and
+    # activations, is the KV budget (not 0.9 of the allocator's 92)
+    assert kv_cache_budget(92 * gib, 16 * gib, 0.9, 2 * gib, 0.92) == 72 * gib
+    # a share above the allocator's is capped at what the allocator holds
+    assert kv_cache_budget(75 * gib, 16 * gib, 0.9, 2 * gib, 0.75) == 57 * gib
+    import os
+
+    import jaxllm  # noqa: F401  the package raises the allocator's share before jax starts
+    assert float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) >= 0.9

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,10 @@ import jax.numpy as jnp
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# The share of a GPU jax's allocator takes when it starts: jax's default 0.75, which
+# jaxllm/__init__.py raises before jax starts.
+ALLOCATOR_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_DEFAULT_ALLOCATOR_FRACTION = 0.75
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -36,8 +41,23 @@ def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes
     """Bytes the KV cache may take on the first device: the allowed share of its memory, less
     what is in use (weights) and the step's profiled activation peak."""
     stats = jax.devices()[0].memory_stats()
-    budget = int(stats["bytes_limit"] * gpu_memory_utilization)
-    return budget - stats["bytes_in_use"] - activation_peak_bytes
+    fraction = float(os.environ.get(ALLOCATOR_FRACTION_ENV, JAX_DEFAULT_ALLOCATOR_FRACTION))
+    return kv_cache_budget(stats["bytes_limit"], stats["bytes_in_use"], gpu_memory_utilization,
+                           activation_peak_bytes, fraction)
+
+
+def kv_cache_budget(bytes_limit: int, bytes_in_use: int, gpu_memory_utilization: float,
+                    activation_peak_bytes: int, allocator_fraction: float) -> int:
+    """gpu_memory_utilization is a share of the whole device, as in vLLM; jax's allocator holds
+    allocator_fraction of it (bytes_limit), which caps the share."""
+    device_bytes = bytes_limit / allocator_fraction
+    budget = int(device_bytes * gpu_memory_utilization)
+    if budget > bytes_limit:
+        logger.warning("gpu_memory_utilization %.2f is above the share jax's allocator holds "
+                       "(%s=%.2f): the KV cache gets %.2f of the device", gpu_memory_utilization,
+                       ALLOCATOR_FRACTION_ENV, allocator_fraction, allocator_fraction)
+        budget = bytes_limit
+    return budget - bytes_in_use - activation_peak_bytes
 
 
 def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
