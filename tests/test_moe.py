@@ -15,7 +15,7 @@ from jaxllm.loader import load_model
 from jaxllm.models import forward, fuse_params
 from jaxllm.models import moe
 from jaxllm.models.moe import grouped_experts, route
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.kv_cache import allocate_kv_caches
 
@@ -76,6 +76,8 @@ def test_grouped_experts_match_dense_reference(matmul, monkeypatch):
     if matmul == "pallas":
         monkeypatch.setattr(moe, "_grouped_matmul",
                             lambda x, w, sizes: grouped_matmul(x, w, sizes, interpret=True))
+        monkeypatch.setattr(moe, "_grouped_swiglu", lambda x, wg, wu, sizes: grouped_swiglu(
+            x, wg, wu, sizes, interpret=True))
     rng = np.random.default_rng(1)
     num_tokens, hidden, inter, num_experts, top_k = 7, 8, 6, 4, 3
     x = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)

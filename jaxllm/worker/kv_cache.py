@@ -15,6 +15,7 @@ GiB = 1 << 30
 # jaxllm/__init__.py raises before jax starts.
 ALLOCATOR_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_ALLOCATOR_FRACTION = 0.75
+POOL_HEADROOM = 0.1
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -49,14 +50,11 @@ def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes
 def kv_cache_budget(bytes_limit: int, bytes_in_use: int, gpu_memory_utilization: float,
                     activation_peak_bytes: int, allocator_fraction: float) -> int:
     """gpu_memory_utilization is a share of the whole device, as in vLLM; jax's allocator holds
-    allocator_fraction of it (bytes_limit), which caps the share."""
-    device_bytes = bytes_limit / allocator_fraction
-    budget = int(device_bytes * gpu_memory_utilization)
-    if budget > bytes_limit:
-        logger.warning("gpu_memory_utilization %.2f is above the share jax's allocator holds "
-                       "(%s=%.2f): the KV cache gets %.2f of the device", gpu_memory_utilization,
-                       ALLOCATOR_FRACTION_ENV, allocator_fraction, allocator_fraction)
-        budget = bytes_limit
+    allocator_fraction of it (bytes_limit). POOL_HEADROOM of that pool stays free whatever the
+    share: XLA's autotuner takes its buffers from the pool while warm-up compiles, after the KV
+    cache is allocated (on an H200, leaving 2.8 GB of the pool free ran out of memory there)."""
+    budget = min(int(bytes_limit / allocator_fraction * gpu_memory_utilization),
+                 int(bytes_limit * (1 - POOL_HEADROOM)))
     return budget - bytes_in_use - activation_peak_bytes
 
 
