@@ -23,10 +23,12 @@ def make_request(request_id, num_prompt_tokens, **params):
     return Request(request_id, prompt, SamplingParams(**params))
 
 
-def grants(output):
-    """(id, first position, number of tokens, block table, samples) per scheduled request."""
-    return [(s.request_id, s.num_computed_tokens, len(s.token_ids), s.block_ids, s.samples)
-            for s in output.scheduled]
+def grants(scheduler, output):
+    """(id, first position, number of tokens, block table, samples) per scheduled request,
+    right after schedule()."""
+    tables = scheduler.kv_cache_manager
+    return [(s.request_id, s.num_computed_tokens, len(s.token_ids),
+             tables.get_block_ids(s.request_id), s.samples) for s in output.scheduled]
 
 
 def sample_all(scheduler, output, token_id=5):
@@ -40,18 +42,18 @@ def test_chunked_prefill_grants_and_batch_order():
     scheduler.add_request(a)
     scheduler.add_request(b)
     out = scheduler.schedule()
-    assert grants(out) == [("a", 0, 8, [1], False)]
+    assert grants(scheduler, out) == [("a", 0, 8, [1], False)]
     assert out.scheduled[0].token_ids == a.prompt_token_ids[0:8] and a.num_computed_tokens == 8
     assert sample_all(scheduler, out) == [] and a.output_token_ids == []  # a partial prefill
     out = scheduler.schedule()
-    assert grants(out) == [("a", 8, 8, [1, 2], False)]
+    assert grants(scheduler, out) == [("a", 8, 8, [1, 2], False)]
     sample_all(scheduler, out)
     out = scheduler.schedule()
-    assert grants(out) == [("a", 16, 4, [1, 2, 3], True), ("b", 0, 4, [4], False)]
+    assert grants(scheduler, out) == [("a", 16, 4, [1, 2, 3], True), ("b", 0, 4, [4], False)]
     assert out.num_scheduled_tokens == 8 and out.scheduled[1].token_ids == b.prompt_token_ids[:4]
     assert sample_all(scheduler, out, token_id=9) == [a] and a.output_token_ids == [9]
     out = scheduler.schedule()
-    assert grants(out) == [("a", 20, 1, [1, 2, 3], True), ("b", 4, 2, [4], True)]
+    assert grants(scheduler, out) == [("a", 20, 1, [1, 2, 3], True), ("b", 4, 2, [4], True)]
     assert out.scheduled[0].token_ids == [9] and out.scheduled[0].num_output_tokens == 1
     assert out.scheduled[0].num_prompt_tokens == 20
 
@@ -65,7 +67,7 @@ def test_max_num_seqs_limits_admissions():
     assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)
     sample_all(scheduler, out)  # a reaches max_tokens=1
     out = scheduler.schedule()
-    assert grants(out) == [("b", 3, 1, [2], True), ("c", 0, 3, [3], True)]
+    assert grants(scheduler, out) == [("b", 3, 1, [2], True), ("c", 0, 3, [3], True)]
     assert out.finished_request_ids == {"a"}
 
 
@@ -74,11 +76,11 @@ def test_max_num_batched_tokens_chunks_the_last_admission():
     for request_id in "abc":
         scheduler.add_request(make_request(request_id, 4))
     out = scheduler.schedule()
-    assert grants(out) == [("a", 0, 4, [1], True), ("b", 0, 4, [2], True), ("c", 0, 2, [3], False)]
+    assert grants(scheduler, out) == [("a", 0, 4, [1], True), ("b", 0, 4, [2], True), ("c", 0, 2, [3], False)]
     assert out.num_scheduled_tokens == 10
     sample_all(scheduler, out)
     out = scheduler.schedule()  # decodes first, then the rest of c's prompt
-    assert grants(out) == [("a", 4, 1, [1], True), ("b", 4, 1, [2], True), ("c", 2, 2, [3], True)]
+    assert grants(scheduler, out) == [("a", 4, 1, [1], True), ("b", 4, 1, [2], True), ("c", 2, 2, [3], True)]
 
 
 def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
@@ -87,12 +89,12 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     scheduler.add_request(a)
     scheduler.add_request(b)
     out = scheduler.schedule()
-    assert grants(out) == [("a", 0, 16, [1, 2], True), ("b", 0, 9, [3, 4], True)]
+    assert grants(scheduler, out) == [("a", 0, 16, [1, 2], True), ("b", 0, 9, [3, 4], True)]
     sample_all(scheduler, out, token_id=11)
     scheduler.add_request(make_request("c", 2))  # waits behind the preempted b
     out = scheduler.schedule()
     # a's 17th token needs a block: b, the newest, is preempted; its blocks return tail first.
-    assert grants(out) == [("a", 16, 1, [1, 2, 4], True)]
+    assert grants(scheduler, out) == [("a", 16, 1, [1, 2, 4], True)]
     assert out.scheduled[0].new_block_ids == [4]
     assert out.preempted_request_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
@@ -102,13 +104,13 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     assert scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids() == [3]
     sample_all(scheduler, out, token_id=12)
     out = scheduler.schedule()  # b needs 2 blocks, 1 is free: it waits
-    assert grants(out) == [("a", 17, 1, [1, 2, 4], True)] and out.preempted_request_ids == set()
+    assert grants(scheduler, out) == [("a", 17, 1, [1, 2, 4], True)] and out.preempted_request_ids == set()
     assert out.scheduled[0].new_block_ids == []
     sample_all(scheduler, out, token_id=13)  # a reaches max_tokens
     out = scheduler.schedule()
     assert out.finished_request_ids == {"a"}
     # b recomputes its prompt and its sampled token; a's blocks came back as [3, 4, 2, 1].
-    assert grants(out) == [("b", 0, 10, [3, 4], True), ("c", 0, 2, [2], True)]
+    assert grants(scheduler, out) == [("b", 0, 10, [3, 4], True), ("c", 0, 2, [2], True)]
     assert [s.new_block_ids for s in out.scheduled] == [[3, 4], [2]]
     assert out.scheduled[0].token_ids == b.prompt_token_ids + [11]
     assert out.scheduled[0].num_output_tokens == 1 and b.status == RequestStatus.RUNNING
@@ -120,7 +122,7 @@ def test_a_request_that_is_itself_the_newest_preempts_itself():
     scheduler.add_request(make_request("b", 8, max_tokens=2))
     sample_all(scheduler, scheduler.schedule())
     out = scheduler.schedule()
-    assert grants(out) == [("a", 7, 1, [1], True)] and out.preempted_request_ids == {"b"}
+    assert grants(scheduler, out) == [("a", 7, 1, [1], True)] and out.preempted_request_ids == {"b"}
     assert scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids() == [2]
     assert [r.request_id for r in scheduler.waiting] == ["b"]
 
@@ -204,16 +206,16 @@ def test_async_decode_grants_placeholders_with_exact_tokens_and_blocks():
     a = make_request("a", 7, max_tokens=5)
     scheduler.add_request(a)
     out1 = scheduler.schedule()
-    assert grants(out1) == [("a", 0, 7, [1], True)] and a.num_output_placeholders == 1
+    assert grants(scheduler, out1) == [("a", 0, 7, [1], True)] and a.num_output_placeholders == 1
     out2 = scheduler.schedule()  # step 1 in flight: a decodes the token step 1 samples
-    assert grants(out2) == [("a", 7, 1, [1], True)]
+    assert grants(scheduler, out2) == [("a", 7, 1, [1], True)]
     assert out2.scheduled[0].token_ids == [PH] and out2.scheduled[0].num_output_tokens == 1
     assert out2.scheduled[0].new_block_ids == [] and out2.scheduled[0].next_token_id == -1
     assert a.num_output_placeholders == 2 and a.output_token_ids == []
     assert scheduler.update_from_output(out1, {"a": 11}) == [a]
     assert a.output_token_ids == [11] and a.num_output_placeholders == 1
     out3 = scheduler.schedule()  # position 8 opens the second block
-    assert grants(out3) == [("a", 8, 1, [1, 2], True)]
+    assert grants(scheduler, out3) == [("a", 8, 1, [1, 2], True)]
     assert out3.scheduled[0].token_ids == [PH] and out3.scheduled[0].new_block_ids == [2]
     assert out3.scheduled[0].num_output_tokens == 2
     scheduler.update_from_output(out2, {"a": 12})
@@ -226,7 +228,7 @@ def test_async_eos_finish_drops_the_placeholder_and_frees_blocks():
     scheduler.add_request(a)
     out1 = scheduler.schedule()
     out2 = scheduler.schedule()  # a's decode at position 8 takes a second block
-    assert grants(out2) == [("a", 8, 1, [1, 2], True)]
+    assert grants(scheduler, out2) == [("a", 8, 1, [1, 2], True)]
     assert scheduler.update_from_output(out1, {"a": 2}) == [a]  # EOS
     assert a.status == RequestStatus.FINISHED_STOPPED and a.num_output_placeholders == 0
     assert scheduler.num_running == 0 and not scheduler.has_unfinished_requests()
@@ -283,9 +285,9 @@ def test_async_preempted_request_gets_its_token_then_recomputes_real_tokens():
     scheduler.add_request(a)
     scheduler.add_request(b)
     out1 = scheduler.schedule()
-    assert grants(out1) == [("a", 0, 16, [1, 2], True), ("b", 0, 9, [3, 4], True)]
+    assert grants(scheduler, out1) == [("a", 0, 16, [1, 2], True), ("b", 0, 9, [3, 4], True)]
     out2 = scheduler.schedule()  # a's placeholder needs a block: b, the newest, is preempted
-    assert grants(out2) == [("a", 16, 1, [1, 2, 4], True)]
+    assert grants(scheduler, out2) == [("a", 16, 1, [1, 2, 4], True)]
     assert out2.preempted_request_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # the pool is free again
@@ -295,7 +297,7 @@ def test_async_preempted_request_gets_its_token_then_recomputes_real_tokens():
     assert b.output_token_ids == [12] and b.num_output_placeholders == 0
     assert scheduler.update_from_output(out2, {"a": 13}) == []  # a was aborted
     out3 = scheduler.schedule()
-    assert grants(out3) == [("b", 0, 10, [3, 4], True)]  # free queue: [3] + a's [4, 2, 1]
+    assert grants(scheduler, out3) == [("b", 0, 10, [3, 4], True)]  # free queue: [3] + a's [4, 2, 1]
     assert out3.scheduled[0].token_ids == b.prompt_token_ids + [12]
     assert out3.scheduled[0].num_output_tokens == 1
 
@@ -377,7 +379,8 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
             num_placeholders_granted += s.token_ids.count(PH)
             assert s.samples == (end == len(tokens))
             in_flight[s.request_id] += s.samples
-            assert len(s.block_ids) == -(-end // block_size)
+            block_ids = scheduler.kv_cache_manager.get_block_ids(s.request_id)
+            assert len(block_ids) == -(-end // block_size)
             # No grant beyond what the request's length limits allow (as in _check_fits).
             max_tokens = s.sampling_params.max_tokens or max_model_len
             assert end <= max(s.num_prompt_tokens,
@@ -386,8 +389,8 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
             if start == 0:
                 runner_tables[s.request_id] = []
             runner_tables[s.request_id] += s.new_block_ids
-            assert runner_tables[s.request_id] == s.block_ids
-            held_blocks += s.block_ids
+            assert runner_tables[s.request_id] == block_ids
+            held_blocks += block_ids
         held_blocks += [b for r in scheduler.running for b in
                         scheduler.kv_cache_manager.get_block_ids(r.request_id)
                         if r.request_id not in {s.request_id for s in out.scheduled}]
