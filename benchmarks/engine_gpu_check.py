@@ -150,7 +150,12 @@ def main() -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--pallas-kv-write", action="store_true",
+                        help="the engine writes K/V with the Pallas kernel, not the scatter")
     a = parser.parse_args()
+    if a.pallas_kv_write:
+        from pallas_kernels import kv_write
+        kv_write.USE_PALLAS = True
     os.makedirs(a.out, exist_ok=True)
     out: dict = {}
     try:

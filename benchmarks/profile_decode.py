@@ -93,7 +93,12 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--workload", help="IN,OUT,PROMPTS of an offline run to profile")
     parser.add_argument("--window", type=int, action="append", help="first step of a window")
+    parser.add_argument("--pallas-kv-write", action="store_true",
+                        help="the engine writes K/V with the Pallas kernel, not the scatter")
     a = parser.parse_args()
+    if a.pallas_kv_write:
+        from pallas_kernels import kv_write
+        kv_write.USE_PALLAS = True
     dummy = not os.path.isdir(a.model)
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,

@@ -25,8 +25,10 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
 # Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into
 # their slots of the flattened cache, which is aliased in place (donate it under jit).
 _BLOCK_TOKENS = 16
-# Which path `write_kv` takes on GPU: the scatter until `python -m pallas_kernels.bench` shows
-# the kernel faster on the H200 (its kv_write rows; not yet measured).
+# Which path `write_kv` takes on GPU. Alone the kernel is faster on an H200 (2048 tokens: 10.9
+# us against the scatter's 44.8, docs/benchmarks.md); the engine keeps the scatter until a
+# whole-step run shows no copy of the cache around the kernel (benchmarks/profile_decode.py
+# --pallas-kv-write).
 USE_PALLAS = False
 
 
