@@ -232,7 +232,8 @@ class Scheduler:
         request.num_output_placeholders += samples
         return ScheduledRequest(
             request.request_id, token_ids, start, len(request.prompt_token_ids),
-            len(request.output_token_ids) + num_placeholders, new_block_ids, request.sampling_params, samples, all_token_ids[end] if end < num_tokens else -1,
+            len(request.output_token_ids) + num_placeholders, new_block_ids,
+            request.sampling_params, samples, all_token_ids[end] if end < num_tokens else -1,
             request)
 
     # ---- results ----
