@@ -76,11 +76,13 @@ def test_max_num_batched_tokens_chunks_the_last_admission():
     for request_id in "abc":
         scheduler.add_request(make_request(request_id, 4))
     out = scheduler.schedule()
-    assert grants(scheduler, out) == [("a", 0, 4, [1], True), ("b", 0, 4, [2], True), ("c", 0, 2, [3], False)]
+    assert grants(scheduler, out) == [("a", 0, 4, [1], True), ("b", 0, 4, [2], True),
+                                      ("c", 0, 2, [3], False)]
     assert out.num_scheduled_tokens == 10
     sample_all(scheduler, out)
     out = scheduler.schedule()  # decodes first, then the rest of c's prompt
-    assert grants(scheduler, out) == [("a", 4, 1, [1], True), ("b", 4, 1, [2], True), ("c", 2, 2, [3], True)]
+    assert grants(scheduler, out) == [("a", 4, 1, [1], True), ("b", 4, 1, [2], True),
+                                      ("c", 2, 2, [3], True)]
 
 
 def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
@@ -104,7 +106,8 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     assert scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids() == [3]
     sample_all(scheduler, out, token_id=12)
     out = scheduler.schedule()  # b needs 2 blocks, 1 is free: it waits
-    assert grants(scheduler, out) == [("a", 17, 1, [1, 2, 4], True)] and out.preempted_request_ids == set()
+    assert grants(scheduler, out) == [("a", 17, 1, [1, 2, 4], True)]
+    assert out.preempted_request_ids == set()
     assert out.scheduled[0].new_block_ids == []
     sample_all(scheduler, out, token_id=13)  # a reaches max_tokens
     out = scheduler.schedule()
@@ -297,7 +300,8 @@ def test_async_preempted_request_gets_its_token_then_recomputes_real_tokens():
     assert b.output_token_ids == [12] and b.num_output_placeholders == 0
     assert scheduler.update_from_output(out2, {"a": 13}) == []  # a was aborted
     out3 = scheduler.schedule()
-    assert grants(scheduler, out3) == [("b", 0, 10, [3, 4], True)]  # free queue: [3] + a's [4, 2, 1]
+    # free queue: [3] + a's [4, 2, 1]
+    assert grants(scheduler, out3) == [("b", 0, 10, [3, 4], True)]
     assert out3.scheduled[0].token_ids == b.prompt_token_ids + [12]
     assert out3.scheduled[0].num_output_tokens == 1
 
