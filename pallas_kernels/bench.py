@@ -68,9 +68,10 @@ def ceilings():
     return {"copy_GBps": 2 * x.nbytes / copy_s / 1e9, "matmul_TFLOPs": 2 * 8192 ** 3 / mm_s / 1e12}
 
 
-def random_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size=PAGE,
+def random_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size=None,
                  dtype=jnp.bfloat16, max_seqs=None, num_tokens=None, copies=1):
     """Device-side random inputs; pages of `copies` disjoint block tables [copies, S, B]."""
+    page_size = page_size or PAGE
     q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
     num_seqs = len(q_lens)
     max_seqs = max_seqs or num_seqs
@@ -119,7 +120,7 @@ def guarded(fn, *args, **kw):
                 "error": repr(e)[-600:]}
 
 
-def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=PAGE, **kw):
+def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=None, **kw):
     b = random_batch(key, q_lens, kv_lens, dtype=dtype, page_size=page_size,
                      max_seqs=len(q_lens) + 3, num_tokens=int(np.sum(q_lens)) + 7, **heads)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
@@ -316,12 +317,16 @@ def split_sweep(key, copy_GBps):
 
 
 def main():
+    global PAGE  # --page-size sets it for every case
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated, of {SECTIONS}")
     parser.add_argument("--decode-seqs", default="1,8,64,256")
+    parser.add_argument("--page-size", type=int, default=PAGE,
+                        help="the rows' page size (the engine's --block-size)")
     args = parser.parse_args()
+    PAGE = args.page_size
     os.makedirs(args.out, exist_ok=True)
     sections = set(args.sections.split(","))
     log = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "correctness": [],
