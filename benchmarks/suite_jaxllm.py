@@ -3,9 +3,11 @@ offline throughput vs its floor, output throughput against concurrency. Run by g
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -118,6 +120,7 @@ def main() -> None:
     # a cache of this run's own, so that the first start is cold even where another process
     # (a serving sweep on the next GPU) fills the default one
     cache_dir = tempfile.mkdtemp(prefix="jaxllm_jit_")
+    atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
     holder = {}
 
     def start_engine() -> dict:
