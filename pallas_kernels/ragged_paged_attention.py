@@ -22,8 +22,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import ragged_paged_attention_mgpu as mgpu
-
 _MASK_INIT = -1e30
 
 
@@ -86,9 +84,6 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
 # ---------------------------------------------------------------------------------------------
 
 _NUM_SMS = 132  # H200; only sizes the split-KV heuristic
-# Prefill buckets (more tokens than sequences) on GPU take the Mosaic GPU kernel
-# (ragged_paged_attention_mgpu.py: wgmma + TMA) where it supports the call.
-MOSAIC_PREFILL = False
 _LOG2E = 1.4426950408889634
 
 
@@ -248,11 +243,6 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     sequences need to fill the GPU). Padding rows (past cu_q_lens[num_seqs]) come back zero.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-    if (MOSAIC_PREFILL and not interpret and q.shape[0] > block_tables.shape[0]
-            and jax.default_backend() == "gpu"
-            and mgpu.supports(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap)):
-        return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
-                                                cu_q_lens, num_seqs, sm_scale=sm_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
