@@ -194,15 +194,17 @@ def xla_ref(q, i, b):
 
 
 def jax_paged_decode(b):
-    """jax's Pallas paged_attention wants pages [Hkv, N, P, D] and tables without padding rows."""
+    """jax's Pallas paged_attention wants pages [Hkv, N, P, D] and tables without padding rows.
+    -> (call, q, pages, b): the pages go in as arguments (closed over, XLA would embed them as a
+    constant: a segfault at 8 GB)."""
     pages = {n: jnp.swapaxes(b[n], 0, 2).swapaxes(1, 2) for n in ("k_cache", "v_cache")}
     k_splits = math.gcd(16, b["block_tables"].shape[-1])
 
-    def call(q, i, b):
+    def call(q, i, pages, b):
         table = b["block_tables"][i % b["block_tables"].shape[0]]
         return jax_paged.paged_attention(q * 0.088, pages["k_cache"], pages["v_cache"], table,
                                          b["kv_lens"], k_splits=k_splits)
-    return call
+    return call, b["q"], pages, b
 
 
 def decode_case(key, num_seqs, ctx, copy_GBps, tiles, with_peers):
@@ -217,7 +219,8 @@ def decode_case(key, num_seqs, ctx, copy_GBps, tiles, with_peers):
         impls["xla"] = xla_ref
     for name, call in impls.items():
         try:
-            secs = time_chain(call, b["q"], b)
+            call, q, *args = call if isinstance(call, tuple) else (call, b["q"], b)
+            secs = time_chain(call, q, *args)
             row[f"{name}_us"] = secs * 1e6
             row[f"{name}_pct_bw"] = 100 * nbytes / secs / 1e9 / copy_GBps
         except Exception as e:  # a peer's limits must not stop the run
