@@ -26,9 +26,10 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
 # their slots of the flattened cache, which is aliased in place (donate it under jit).
 _BLOCK_TOKENS = 16
 # Which path `write_kv` takes on GPU. Alone the kernel is faster on an H200 (2048 tokens: 10.9
-# us against the scatter's 44.8, docs/benchmarks.md); the engine keeps the scatter until a
-# whole-step run shows no copy of the cache around the kernel (benchmarks/profile_decode.py
-# --pallas-kv-write).
+# us against the scatter's 44.8), but in a whole decode step it measured the same (4.714 against
+# 4.716 ms at batch 1, 9.166 against 9.214 at 64; no cache copy): XLA fuses the rope and the V
+# slice into its scatter and must materialise them for the custom call (docs/benchmarks.md). The
+# engine keeps the scatter; benchmarks/profile_decode.py --pallas-kv-write sets this for the A/B.
 USE_PALLAS = False
 
 
