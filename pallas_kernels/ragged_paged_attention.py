@@ -93,7 +93,7 @@ def _next_pow2(n: int) -> int:
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_splits):
+                      group_pad, block_q, block_k, page_size, num_splits, prefetch):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -133,34 +133,38 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # fold into one multiply of the scores.
         qk_scale = sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap
 
-        def tile_slots(t, kv_pos, kv_valid):
-            """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""
-            if page_size % block_k == 0:  # the tile lies in one page: one page id, in range
-                page = block_tables_ref[seq, t * block_k // page_size]
-                return (page * page_size + t * block_k % page_size
-                        + jnp.arange(block_k, dtype=jnp.int32))
+        def tile_pages(t, kv_pos, kv_valid):
+            """Page ids of tile t: a scalar where the tile lies in one page, else [Bk]."""
+            if page_size % block_k == 0:
+                idx = t * block_k // page_size
+                if kv_valid is not None:  # a prefetch may look one tile past the table
+                    idx = jnp.minimum(idx, block_tables_ref.shape[1] - 1)
+                return block_tables_ref[seq, idx]
             # Several pages a tile: per-token ids (a [Bk] gather of Bk / P distinct words that
             # L1 broadcasts; a per-page load would need a reshape that costs a layout change).
-            page = pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
+            return pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
                                  other=None if kv_valid is None else 0)
-            return page * page_size + kv_pos % page_size
 
-        def tile_step(t, carry, *, masked):
-            """One KV tile. Unmasked tiles lie wholly below the block's first query position
-            (so below kv_len): every row sees every key, and loads and scores skip all masks."""
-            m, l, acc = carry
-            kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
-            kv_valid = kv_pos < kv_hi if masked else None
+        def load_kv(t, pages, kv_pos, kv_valid):
+            """K, V [Bk, D] of tile t from its page ids; rows where kv_valid is False read 0."""
+            slots = pages * page_size + (t * block_k % page_size
+                                         + jnp.arange(block_k, dtype=jnp.int32)
+                                         if page_size % block_k == 0 else kv_pos % page_size)
             # dims (an arange) last and unit-stride: Triton vectorises the loads along D
-            kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)
-            load_kw = dict(mask=kv_valid[:, None], other=0) if masked else {}
-            k = pltriton.load(k_ref.at[kv_idx], **load_kw)  # [Bk, D]
-            v = pltriton.load(v_ref.at[kv_idx], **load_kw)
+            kv_idx = (slots[:, None], kv_head, dims)
+            load_kw = {} if kv_valid is None else dict(mask=kv_valid[:, None], other=0)
+            return (pltriton.load(k_ref.at[kv_idx], **load_kw),
+                    pltriton.load(v_ref.at[kv_idx], **load_kw))
+
+        def attend(t, k, v, carry, *, masked):
+            """The online-softmax update with one KV tile."""
+            m, l, acc = carry
             s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s)
             if masked:
-                mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+                kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
+                mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_hi)[None, :]
                 if sliding_window is not None:
                     mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
                 s = jnp.where(mask, s, _MASK_INIT)
@@ -173,18 +177,50 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=dot_precision)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
+        def tile_step(t, carry, *, masked):
+            """One KV tile. Unmasked tiles lie wholly below the block's first query position
+            (so below kv_len): every row sees every key, and loads and scores skip all masks."""
+            kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
+            kv_valid = kv_pos < kv_hi if masked else None
+            k, v = load_kv(t, tile_pages(t, kv_pos, kv_valid), kv_pos, kv_valid)
+            return attend(t, k, v, carry, masked=masked)
+
+        def tile_in_range(t):
+            kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            return kv_pos, (kv_pos < kv_hi) & (t < t1)
+
+        def prefetching_step(t, carry):
+            """Tile t from the K/V the previous step loaded; meanwhile the loads of tile t + 1
+            (from page ids read a step earlier) and the page ids of tile t + 2 are in flight.
+            Triton's own pipelining cannot reach that far: each K/V address waits on a page id
+            loaded in the same iteration, so it waits out every load (docs/benchmarks.md)."""
+            k, v, pages_next, softmax = carry
+            kv_pos, kv_valid = tile_in_range(t + 1)
+            k_next, v_next = load_kv(t + 1, pages_next, kv_pos, kv_valid)
+            pages_after = tile_pages(t + 2, *tile_in_range(t + 2))
+            softmax = attend(t, k, v, softmax, masked=True)
+            return k_next, v_next, pages_after, softmax
+
         num_rows, head_dim = q.shape
         carry = (jnp.full((num_rows,), _MASK_INIT, jnp.float32),
                  jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, head_dim), jnp.float32))
-        # The split's tiles [t0, t1) in two runs: those every row sees whole (below first_pos),
-        # then the diagonal / tail tiles. A window masks from below too: all tiles take the mask.
-        t_masked = t0
-        if sliding_window is None:
-            t_masked = jnp.clip(first_pos // block_k, t0, t1)
-            carry = jax.lax.fori_loop(t0, t_masked, functools.partial(tile_step, masked=False),
-                                      carry)
-        m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
-                                      carry)
+        if prefetch:  # one loop, every tile masked (the mask is cheap next to a stalled load)
+            kv_pos, kv_valid = tile_in_range(t0)
+            k, v = load_kv(t0, tile_pages(t0, kv_pos, kv_valid), kv_pos, kv_valid)
+            pages_next = tile_pages(t0 + 1, *tile_in_range(t0 + 1))
+            *_, (m, l, acc) = jax.lax.fori_loop(t0, t1, prefetching_step,
+                                                (k, v, pages_next, carry))
+        else:
+            # The split's tiles [t0, t1) in two runs: those every row sees whole (below
+            # first_pos), then the diagonal / tail tiles. A window masks from below too: all
+            # tiles take the mask.
+            t_masked = t0
+            if sliding_window is None:
+                t_masked = jnp.clip(first_pos // block_k, t0, t1)
+                carry = jax.lax.fori_loop(t0, t_masked,
+                                          functools.partial(tile_step, masked=False), carry)
+            m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
+                                          carry)
         out = acc / jnp.maximum(l, 1e-30)[:, None]
         if num_splits == 1:
             pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
@@ -227,13 +263,14 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seq
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_k", "num_kv_splits",
-    "num_warps", "num_stages"))
+    "num_warps", "num_stages", "prefetch"))
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, interpret: bool = False,
                            block_q: int | None = None, block_k: int | None = None,
                            num_kv_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, _fill_value: float = 0.0):
+                           num_stages: int | None = None, prefetch: bool = False,
+                           _fill_value: float = 0.0):
     """The Pallas kernel; same contract as `ragged_paged_attention_reference` (module docstring).
 
     Tiles (all optional, static): `block_q` query tokens per program (a power of two; the rows of
@@ -279,7 +316,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits)
+        num_splits=num_kv_splits, prefetch=prefetch)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(

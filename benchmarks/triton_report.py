@@ -1,0 +1,91 @@
+"""What Triton makes of the attention kernel, on the CPU machine: registers, spills and the K/V
+load pipeline of one tiling, before any GPU time is spent on it.
+
+    python -m venv /tmp/tv && /tmp/tv/bin/pip install triton        # the compiler, with ptxas
+    python benchmarks/triton_report.py --out /tmp/ttir [--prefetch] [--block-q 16 --block-k 64 ...]
+    /tmp/tv/bin/python benchmarks/triton_report.py --compile /tmp/ttir/kernel.ttir --num-warps 4
+
+The first step (jax's Python) lowers the prefill bucket of `ragged_paged_attention` (2048 tokens,
+Llama-3.1-8B heads, 16-token pages) under an abstract H200 and writes the Triton IR Pallas emits.
+The second (the triton package's Python; it need not match the Triton inside jaxlib exactly)
+compiles it for sm_90 and prints, per loop, the async copies and the depth of their waits
+(`num = 0`: every copy waits out, nothing overlaps compute) and ptxas's register and spill count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import subprocess
+import sys
+
+
+def write_ttir(a) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from conftest import lower_for_h200
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    modules = []
+    lower = lowering.lower_jaxpr_to_triton_module
+    lowering.lower_jaxpr_to_triton_module = lambda *x, **k: modules.append(lower(*x, **k)) or modules[-1]
+    sds = jax.ShapeDtypeStruct
+    cache = sds((512, 16, 8, 128), jnp.bfloat16)
+    args = (sds((2048, 32, 128), jnp.bfloat16), cache, cache, sds((4,), jnp.int32),
+            sds((4, 256), jnp.int32), sds((5,), jnp.int32), sds((1,), jnp.int32))
+    tiles = {k: v for k, v in dict(block_q=a.block_q, block_k=a.block_k).items() if v}
+    lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.088,
+                                     prefetch=a.prefetch, **tiles), *args)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "kernel.ttir"), "w") as f:
+        f.write(str(modules[-1].module))
+    print("wrote", os.path.join(a.out, "kernel.ttir"))
+
+
+def compile_and_report(a) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    kernel = triton.compile(a.compile, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=a.num_warps, num_stages=a.num_stages))
+    ttgir = kernel.asm["ttgir"]
+    for i, loop in enumerate(ttgir.split("scf.for")[1:]):
+        body = loop.split("scf.yield")[0]
+        waits = re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", body)
+        print(f"loop {i}: {body.count('async_copy_global_to_local')} async copies, waits "
+              f"num={waits}, {body.count(' tt.load ')} plain loads, "
+              f"{body.count('warp_group_dot ')} wgmma")
+    ptx = a.compile + ".ptx"
+    with open(ptx, "w") as f:
+        f.write(kernel.asm["ptx"])
+    ptxas = get_ptxas(90)
+    result = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name=sm_90a", ptx,
+                             "-o", ptx + ".cubin"], capture_output=True, text=True)
+    print("\n".join(line.strip() for line in (result.stdout + result.stderr).splitlines()
+                    if "registers" in line or "spill" in line))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", help="write the Triton IR here (jax's Python)")
+    parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--block-q", type=int)
+    parser.add_argument("--block-k", type=int)
+    parser.add_argument("--compile", help="a .ttir to compile and report on (triton's Python)")
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=2)
+    a = parser.parse_args()
+    if a.compile:
+        compile_and_report(a)
+    else:
+        write_ttir(a)
+
+
+if __name__ == "__main__":
+    main()
