@@ -277,7 +277,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     a program are block_q x the group padded to a power of two), `block_k` KV tokens per tile,
     `num_kv_splits` the most KV splits, merged exactly afterwards (flash-decoding; default: only
     for buckets where fewer programs than SMs may run; each step uses as many as its live
-    sequences need to fill the GPU). Padding rows (past cu_q_lens[num_seqs]) come back zero.
+    sequences need to fill the GPU). `prefetch`: one loop that keeps the next tile's K/V loads in
+    flight while the current tile computes (every tile masked; not yet timed on a GPU, so off).
+    Padding rows (past cu_q_lens[num_seqs]) come back zero.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
