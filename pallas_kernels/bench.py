@@ -295,8 +295,8 @@ PREFILL_TILES = [dict(block_q=16, block_k=64, num_warps=4, num_stages=2),
                  dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
                  dict(block_q=32, block_k=64, num_warps=8, num_stages=2),
                  dict(block_q=32, block_k=128, num_warps=8, num_stages=2),
-                 # the prefetching loop; on ptxas for sm_90 (Triton 3.9, CPU) 16/32/4 and 32/32/8
-                 # compile without spills, 32/64/8 spills 32 bytes, 16/64/4 436 bytes
+                 # the prefetching loop; on ptxas for sm_90 (Triton 3.9, CPU) 16/32/4, 32/32/8 and
+                 # 32/64/8 compile without spills, 16/64/4 spills 408 bytes
                  dict(block_q=16, block_k=32, num_warps=4, num_stages=2, prefetch=True),
                  dict(block_q=32, block_k=32, num_warps=8, num_stages=2, prefetch=True),
                  dict(block_q=32, block_k=64, num_warps=8, num_stages=2, prefetch=True),

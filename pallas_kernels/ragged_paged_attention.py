@@ -189,7 +189,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)
             return kv_pos, (kv_pos < kv_hi) & (t < t1)
 
-        def prefetching_step(t, carry):
+        def prefetching_step(t, carry, *, masked):
             """Tile t from the K/V the previous step loaded; meanwhile the loads of tile t + 1
             (from page ids read a step earlier) and the page ids of tile t + 2 are in flight.
             Triton's own pipelining cannot reach that far: each K/V address waits on a page id
@@ -198,29 +198,23 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             kv_pos, kv_valid = tile_in_range(t + 1)
             k_next, v_next = load_kv(t + 1, pages_next, kv_pos, kv_valid)
             pages_after = tile_pages(t + 2, *tile_in_range(t + 2))
-            softmax = attend(t, k, v, softmax, masked=True)
+            softmax = attend(t, k, v, softmax, masked=masked)
             return k_next, v_next, pages_after, softmax
 
         num_rows, head_dim = q.shape
         carry = (jnp.full((num_rows,), _MASK_INIT, jnp.float32),
                  jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, head_dim), jnp.float32))
-        if prefetch:  # one loop, every tile masked (the mask is cheap next to a stalled load)
+        # The split's tiles [t0, t1) in two runs: those every row sees whole (below first_pos),
+        # then the diagonal / tail tiles. A window masks from below too: all tiles take the mask.
+        t_masked = t0 if sliding_window is not None else jnp.clip(first_pos // block_k, t0, t1)
+        step = prefetching_step if prefetch else tile_step
+        if prefetch:  # the first tile's K/V and the second's page ids, ahead of the loops
             kv_pos, kv_valid = tile_in_range(t0)
             k, v = load_kv(t0, tile_pages(t0, kv_pos, kv_valid), kv_pos, kv_valid)
-            pages_next = tile_pages(t0 + 1, *tile_in_range(t0 + 1))
-            *_, (m, l, acc) = jax.lax.fori_loop(t0, t1, prefetching_step,
-                                                (k, v, pages_next, carry))
-        else:
-            # The split's tiles [t0, t1) in two runs: those every row sees whole (below
-            # first_pos), then the diagonal / tail tiles. A window masks from below too: all
-            # tiles take the mask.
-            t_masked = t0
-            if sliding_window is None:
-                t_masked = jnp.clip(first_pos // block_k, t0, t1)
-                carry = jax.lax.fori_loop(t0, t_masked,
-                                          functools.partial(tile_step, masked=False), carry)
-            m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
-                                          carry)
+            carry = (k, v, tile_pages(t0 + 1, *tile_in_range(t0 + 1)), carry)
+        carry = jax.lax.fori_loop(t0, t_masked, functools.partial(step, masked=False), carry)
+        carry = jax.lax.fori_loop(t_masked, t1, functools.partial(step, masked=True), carry)
+        m, l, acc = carry[-1] if prefetch else carry
         out = acc / jnp.maximum(l, 1e-30)[:, None]
         if num_splits == 1:
             pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
@@ -277,8 +271,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     a program are block_q x the group padded to a power of two), `block_k` KV tokens per tile,
     `num_kv_splits` the most KV splits, merged exactly afterwards (flash-decoding; default: only
     for buckets where fewer programs than SMs may run; each step uses as many as its live
-    sequences need to fill the GPU). `prefetch`: one loop that keeps the next tile's K/V loads in
-    flight while the current tile computes (every tile masked; not yet timed on a GPU, so off).
+    sequences need to fill the GPU). `prefetch`: keep the next tile's K/V loads in flight while
+    the current tile computes (not yet timed on a GPU, so off).
     Padding rows (past cu_q_lens[num_seqs]) come back zero.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
