@@ -5,8 +5,9 @@ load pipeline of one tiling, before any GPU time is spent on it.
     python benchmarks/triton_report.py --out /tmp/ttir [--prefetch] [--block-q 16 --block-k 64 ...]
     /tmp/tv/bin/python benchmarks/triton_report.py --compile /tmp/ttir/kernel.ttir --num-warps 4
 
-The first step (jax's Python) lowers the prefill bucket of `ragged_paged_attention` (2048 tokens,
-Llama-3.1-8B heads, 16-token pages) under an abstract H200 and writes the Triton IR Pallas emits.
+The first step (jax's Python) lowers one bucket of `ragged_paged_attention` (default the prefill
+bucket: 2048 tokens, 4 sequences; Llama-3.1-8B heads, 16-token pages) under an abstract H200 and
+writes the Triton IR Pallas emits.
 The second (the triton package's Python; it need not match the Triton inside jaxlib exactly)
 compiles it for sm_90 and prints, per loop, the async copies and the depth of their waits
 (`num = 0`: every copy waits out, nothing overlaps compute) and ptxas's register and spill count.
@@ -36,8 +37,9 @@ def write_ttir(a) -> None:
     lowering.lower_jaxpr_to_triton_module = lambda *x, **k: modules.append(lower(*x, **k)) or modules[-1]
     sds = jax.ShapeDtypeStruct
     cache = sds((512, 16, 8, 128), jnp.bfloat16)
-    args = (sds((2048, 32, 128), jnp.bfloat16), cache, cache, sds((4,), jnp.int32),
-            sds((4, 256), jnp.int32), sds((5,), jnp.int32), sds((1,), jnp.int32))
+    s = a.max_seqs
+    args = (sds((a.num_tokens, 32, 128), jnp.bfloat16), cache, cache, sds((s,), jnp.int32),
+            sds((s, 256), jnp.int32), sds((s + 1,), jnp.int32), sds((1,), jnp.int32))
     tiles = {k: v for k, v in dict(block_q=a.block_q, block_k=a.block_k).items() if v}
     lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.088,
                                      prefetch=a.prefetch, **tiles), *args)
@@ -75,6 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="write the Triton IR here (jax's Python)")
     parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--num-tokens", type=int, default=2048, help="the bucket (decode: = seqs)")
+    parser.add_argument("--max-seqs", type=int, default=4)
     parser.add_argument("--block-q", type=int)
     parser.add_argument("--block-k", type=int)
     parser.add_argument("--compile", help="a .ttir to compile and report on (triton's Python)")

@@ -290,7 +290,11 @@ def sweep(run_case, candidates):
 
 DECODE_TILES = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=64, num_warps=4, num_stages=3),
                 dict(block_k=128, num_warps=4, num_stages=2), dict(block_k=128, num_warps=8, num_stages=3),
-                dict(block_k=32, num_warps=4, num_stages=4)]
+                dict(block_k=32, num_warps=4, num_stages=4),
+                # prefetching (ptxas, CPU: 218 registers at 128/8, so one program an SM)
+                dict(block_k=128, num_warps=8, num_stages=3, prefetch=True),
+                dict(block_k=64, num_warps=4, num_stages=2, prefetch=True)]
+
 PREFILL_TILES = [dict(block_q=16, block_k=64, num_warps=4, num_stages=2),
                  dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
                  dict(block_q=32, block_k=64, num_warps=8, num_stages=2),
