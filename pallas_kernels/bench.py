@@ -283,7 +283,7 @@ def kv_write_case(key, num_tokens, copy_GBps):
 
 def sweep(run_case, candidates):
     """Times each tiling on one case; returns the fastest and all rows."""
-    rows = [dict(run_case(t), tiles=t) for t in candidates]
+    rows = [dict(guarded(run_case, t), tiles=t) for t in candidates]  # a failure is a row
     best = min(rows, key=lambda r: r.get("ours_us", float("inf")))
     return best["tiles"], rows
 
