@@ -314,12 +314,14 @@ def split_sweep(key, copy_GBps):
     """Batch-1 long-context decode: KV split count x KV tile, explicit (the default picks one)."""
     rows = []
     for ctx in (8192, 32768):
-        for block_k in (64, 128):
-            for splits in (16, 33, 66, 132):
-                tiles = dict(block_k=block_k, num_kv_splits=splits, num_warps=4, num_stages=2)
-                rows.append(dict(guarded(decode_case, key, 1, ctx, copy_GBps, tiles, False),
-                                 tiles=tiles))
-                print(rows[-1], flush=True)
+        # (block_k, splits, prefetch); prefetching at 128-key tiles spills (ptxas, 4 warps)
+        candidates = [(bk, n, False) for bk in (64, 128) for n in (16, 33, 66, 132)]
+        for block_k, splits, prefetch in candidates + [(64, 33, True), (64, 66, True)]:
+            tiles = dict(block_k=block_k, num_kv_splits=splits, num_warps=4, num_stages=2,
+                         prefetch=prefetch)
+            rows.append(dict(guarded(decode_case, key, 1, ctx, copy_GBps, tiles, False),
+                             tiles=tiles))
+            print(rows[-1], flush=True)
     return rows
 
 
