@@ -3,6 +3,7 @@ load pipeline of one tiling, before any GPU time is spent on it.
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install triton        # the compiler, with ptxas
     python benchmarks/triton_report.py --out /tmp/ttir [--prefetch] [--block-q 16 --block-k 64 ...]
+    python benchmarks/triton_report.py --out /tmp/ttir --jax-mha          # the dense peer
     /tmp/tv/bin/python benchmarks/triton_report.py --compile /tmp/ttir/kernel.ttir --num-warps 4
 
 The first step (jax's Python) lowers one bucket of `ragged_paged_attention` (default the prefill
@@ -41,8 +42,19 @@ def write_ttir(a) -> None:
     args = (sds((a.num_tokens, 32, 128), jnp.bfloat16), cache, cache, sds((s,), jnp.int32),
             sds((s, 256), jnp.int32), sds((s + 1,), jnp.int32), sds((1,), jnp.int32))
     tiles = {k: v for k, v in dict(block_q=a.block_q, block_k=a.block_k).items() if v}
-    lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.088,
-                                     prefetch=a.prefetch, **tiles), *args)
+    if a.jax_mha:  # the peer: jax's dense Triton flash attention, causal, 64 x 64 tiles
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import attention
+        q = sds((1, a.num_tokens, 32, 128), jnp.bfloat16)
+        lower_for_h200(functools.partial(
+            attention.mha, segment_ids=None, sm_scale=0.088, causal=True,
+            block_sizes=attention.BlockSizes(block_q=64, block_k=64), num_warps=4,
+            num_stages=3), q, q, q)
+    else:
+        lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.088,
+                                         prefetch=a.prefetch, **tiles), *args)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernel.ttir"), "w") as f:
         f.write(str(modules[-1].module))
@@ -77,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="write the Triton IR here (jax's Python)")
     parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--jax-mha", action="store_true", help="jax's dense kernel instead")
     parser.add_argument("--num-tokens", type=int, default=2048, help="the bucket (decode: = seqs)")
     parser.add_argument("--max-seqs", type=int, default=4)
     parser.add_argument("--block-q", type=int)
