@@ -133,12 +133,13 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # fold into one multiply of the scores.
         qk_scale = sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap
 
+        def positions(t):
+            return t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk] KV positions
+
         def tile_pages(t, kv_pos, kv_valid):
             """Page ids of tile t: a scalar where the tile lies in one page, else [Bk]."""
-            if page_size % block_k == 0:
-                idx = t * block_k // page_size
-                if kv_valid is not None:  # a prefetch may look one tile past the table
-                    idx = jnp.minimum(idx, block_tables_ref.shape[1] - 1)
+            if page_size % block_k == 0:  # clamped: a prefetch may look past the table
+                idx = jnp.minimum(t * block_k // page_size, block_tables_ref.shape[1] - 1)
                 return block_tables_ref[seq, idx]
             # Several pages a tile: per-token ids (a [Bk] gather of Bk / P distinct words that
             # L1 broadcasts; a per-page load would need a reshape that costs a layout change).
@@ -163,7 +164,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             if soft_cap is not None:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s)
             if masked:
-                kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
+                kv_pos = positions(t)
                 mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_hi)[None, :]
                 if sliding_window is not None:
                     mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
@@ -180,13 +181,13 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         def tile_step(t, carry, *, masked):
             """One KV tile. Unmasked tiles lie wholly below the block's first query position
             (so below kv_len): every row sees every key, and loads and scores skip all masks."""
-            kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
+            kv_pos = positions(t)
             kv_valid = kv_pos < kv_hi if masked else None
             k, v = load_kv(t, tile_pages(t, kv_pos, kv_valid), kv_pos, kv_valid)
             return attend(t, k, v, carry, masked=masked)
 
         def tile_in_range(t):
-            kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            kv_pos = positions(t)
             return kv_pos, (kv_pos < kv_hi) & (t < t1)
 
         def prefetching_step(t, carry, *, masked):
