@@ -286,7 +286,10 @@ def kv_write_case(key, num_tokens, copy_GBps):
 
 def sweep(run_case, candidates):
     """Times each tiling on one case; returns the fastest and all rows."""
-    rows = [dict(guarded(run_case, t), tiles=t) for t in candidates]  # a failure is a row
+    rows = []
+    for tiles in candidates:
+        rows.append(dict(guarded(run_case, tiles), tiles=tiles))  # a failure is a row
+        print("sweep", rows[-1], flush=True)
     best = min(rows, key=lambda r: r.get("ours_us", float("inf")))
     return best["tiles"], rows
 
