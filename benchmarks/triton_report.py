@@ -2,7 +2,7 @@
 load pipeline of one tiling, before any GPU time is spent on it.
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install triton        # the compiler, with ptxas
-    python benchmarks/triton_report.py --out /tmp/ttir [--prefetch] [--block-q 16 --block-k 64 ...]
+    python benchmarks/triton_report.py --out /tmp/ttir [--block-q 16 --block-k 64 ...]
     python benchmarks/triton_report.py --out /tmp/ttir --jax-mha          # the dense peer
     /tmp/tv/bin/python benchmarks/triton_report.py --compile /tmp/ttir/kernel.ttir --num-warps 4
 
@@ -54,7 +54,7 @@ def write_ttir(a) -> None:
             num_stages=3), q, q, q)
     else:
         lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.088,
-                                         prefetch=a.prefetch, **tiles), *args)
+                                         **tiles), *args)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernel.ttir"), "w") as f:
         f.write(str(modules[-1].module))
@@ -88,7 +88,6 @@ def compile_and_report(a) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="write the Triton IR here (jax's Python)")
-    parser.add_argument("--prefetch", action="store_true")
     parser.add_argument("--jax-mha", action="store_true", help="jax's dense kernel instead")
     parser.add_argument("--num-tokens", type=int, default=2048, help="the bucket (decode: = seqs)")
     parser.add_argument("--max-seqs", type=int, default=4)

@@ -144,9 +144,6 @@ def correctness(decode_tiles, prefill_tiles):
                    small, sm_scale=0.125),
         guarded(check_case, "9/3/64 mixed split4", next(key), [1, 0, 37, 1, 200, 1],
                    [300, 0, 37, 1000, 700, 5], small, sm_scale=0.125, num_kv_splits=4),
-        guarded(check_case, "9/3/64 mixed split4 prefetch", next(key), [1, 0, 37, 1, 200, 1],
-                   [300, 0, 37, 1000, 700, 5], small, sm_scale=0.125, num_kv_splits=4,
-                   prefetch=True),
         guarded(check_case, "32/8/128 fp32 P32 window+cap", next(key), [1, 64, 3], [500, 64, 1200], HEADS,
                    dtype=jnp.float32, page_size=32, sm_scale=0.088, sliding_window=100,
                    soft_cap=30.0),
@@ -296,21 +293,12 @@ def sweep(run_case, candidates):
 
 DECODE_TILES = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=64, num_warps=4, num_stages=3),
                 dict(block_k=128, num_warps=4, num_stages=2), dict(block_k=128, num_warps=8, num_stages=3),
-                dict(block_k=32, num_warps=4, num_stages=4),
-                # prefetching (ptxas, CPU: 218 registers at 128/8, so one program an SM)
-                dict(block_k=128, num_warps=8, num_stages=3, prefetch=True),
-                dict(block_k=64, num_warps=4, num_stages=2, prefetch=True)]
+                dict(block_k=32, num_warps=4, num_stages=4)]
 
 PREFILL_TILES = [dict(block_q=16, block_k=64, num_warps=4, num_stages=2),
                  dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
                  dict(block_q=32, block_k=64, num_warps=8, num_stages=2),
-                 dict(block_q=32, block_k=128, num_warps=8, num_stages=2),
-                 # the prefetching loop; on ptxas for sm_90 (Triton 3.9, CPU) 16/32/4, 32/32/8 and
-                 # 32/64/8 compile without spills, 16/64/4 spills 408 bytes
-                 dict(block_q=16, block_k=32, num_warps=4, num_stages=2, prefetch=True),
-                 dict(block_q=32, block_k=32, num_warps=8, num_stages=2, prefetch=True),
-                 dict(block_q=32, block_k=64, num_warps=8, num_stages=2, prefetch=True),
-                 dict(block_q=16, block_k=64, num_warps=4, num_stages=2, prefetch=True)]
+                 dict(block_q=32, block_k=128, num_warps=8, num_stages=2)]
 
 
 SECTIONS = ("correctness", "sweep", "split_sweep", "decode", "prefill", "mixed", "kv_write")
@@ -320,14 +308,12 @@ def split_sweep(key, copy_GBps):
     """Batch-1 long-context decode: KV split count x KV tile, explicit (the default picks one)."""
     rows = []
     for ctx in (8192, 32768):
-        # (block_k, splits, prefetch); prefetching at 128-key tiles spills (ptxas, 4 warps)
-        candidates = [(bk, n, False) for bk in (64, 128) for n in (16, 33, 66, 132)]
-        for block_k, splits, prefetch in candidates + [(64, 33, True), (64, 66, True)]:
-            tiles = dict(block_k=block_k, num_kv_splits=splits, num_warps=4, num_stages=2,
-                         prefetch=prefetch)
-            rows.append(dict(guarded(decode_case, key, 1, ctx, copy_GBps, tiles, False),
-                             tiles=tiles))
-            print(rows[-1], flush=True)
+        for block_k in (64, 128):
+            for splits in (16, 33, 66, 132):
+                tiles = dict(block_k=block_k, num_kv_splits=splits, num_warps=4, num_stages=2)
+                rows.append(dict(guarded(decode_case, key, 1, ctx, copy_GBps, tiles, False),
+                                 tiles=tiles))
+                print(rows[-1], flush=True)
     return rows
 
 

@@ -93,7 +93,7 @@ def _next_pow2(n: int) -> int:
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_splits, prefetch):
+                      group_pad, block_q, block_k, page_size, num_splits):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -138,9 +138,8 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
 
         def tile_pages(t, kv_pos, kv_valid):
             """Page ids of tile t: a scalar where the tile lies in one page, else [Bk]."""
-            if page_size % block_k == 0:  # clamped: a prefetch may look past the table
-                idx = jnp.minimum(t * block_k // page_size, block_tables_ref.shape[1] - 1)
-                return block_tables_ref[seq, idx]
+            if page_size % block_k == 0:
+                return block_tables_ref[seq, t * block_k // page_size]
             # Several pages a tile: per-token ids (a [Bk] gather of Bk / P distinct words that
             # L1 broadcasts; a per-page load would need a reshape that costs a layout change).
             return pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
@@ -186,36 +185,14 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             k, v = load_kv(t, tile_pages(t, kv_pos, kv_valid), kv_pos, kv_valid)
             return attend(t, k, v, carry, masked=masked)
 
-        def tile_in_range(t):
-            kv_pos = positions(t)
-            return kv_pos, (kv_pos < kv_hi) & (t < t1)
-
-        def prefetching_step(t, carry, *, masked):
-            """Tile t from the K/V the previous step loaded; meanwhile the loads of tile t + 1
-            (from page ids read a step earlier) and the page ids of tile t + 2 are in flight.
-            Triton's own pipelining cannot reach that far: each K/V address waits on a page id
-            loaded in the same iteration, so it waits out every load (docs/benchmarks.md)."""
-            k, v, pages_next, softmax = carry
-            kv_pos, kv_valid = tile_in_range(t + 1)
-            k_next, v_next = load_kv(t + 1, pages_next, kv_pos, kv_valid)
-            pages_after = tile_pages(t + 2, *tile_in_range(t + 2))
-            softmax = attend(t, k, v, softmax, masked=masked)
-            return k_next, v_next, pages_after, softmax
-
         num_rows, head_dim = q.shape
         carry = (jnp.full((num_rows,), _MASK_INIT, jnp.float32),
                  jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, head_dim), jnp.float32))
         # The split's tiles [t0, t1) in two runs: those every row sees whole (below first_pos),
         # then the diagonal / tail tiles. A window masks from below too: all tiles take the mask.
         t_masked = t0 if sliding_window is not None else jnp.clip(first_pos // block_k, t0, t1)
-        step = prefetching_step if prefetch else tile_step
-        if prefetch:  # the first tile's K/V and the second's page ids, ahead of the loops
-            kv_pos, kv_valid = tile_in_range(t0)
-            k, v = load_kv(t0, tile_pages(t0, kv_pos, kv_valid), kv_pos, kv_valid)
-            carry = (k, v, tile_pages(t0 + 1, *tile_in_range(t0 + 1)), carry)
-        carry = jax.lax.fori_loop(t0, t_masked, functools.partial(step, masked=False), carry)
-        carry = jax.lax.fori_loop(t_masked, t1, functools.partial(step, masked=True), carry)
-        m, l, acc = carry[-1] if prefetch else carry
+        carry = jax.lax.fori_loop(t0, t_masked, functools.partial(tile_step, masked=False), carry)
+        m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True), carry)
         out = acc / jnp.maximum(l, 1e-30)[:, None]
         if num_splits == 1:
             pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
@@ -258,13 +235,13 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seq
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_k", "num_kv_splits",
-    "num_warps", "num_stages", "prefetch"))
+    "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, interpret: bool = False,
                            block_q: int | None = None, block_k: int | None = None,
                            num_kv_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, prefetch: bool = False,
+                           num_stages: int | None = None,
                            _fill_value: float = 0.0):
     """The Pallas kernel; same contract as `ragged_paged_attention_reference` (module docstring).
 
@@ -272,8 +249,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     a program are block_q x the group padded to a power of two), `block_k` KV tokens per tile,
     `num_kv_splits` the most KV splits, merged exactly afterwards (flash-decoding; default: only
     for buckets where fewer programs than SMs may run; each step uses as many as its live
-    sequences need to fill the GPU). `prefetch`: keep the next tile's K/V loads in flight while
-    the current tile computes (not yet timed on a GPU, so off).
+    sequences need to fill the GPU).
     Padding rows (past cu_q_lens[num_seqs]) come back zero.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
@@ -313,7 +289,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits, prefetch=prefetch)
+        num_splits=num_kv_splits)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(

@@ -156,33 +156,6 @@ def test_prefill_tile_boundaries_poisoned(page_size, block_q, block_k, splits):
           num_kv_splits=splits)
 
 
-@pytest.mark.parametrize("page_size,block_q,block_k,splits", [
-    (16, 8, 64, 3), (64, 16, 32, 1), (32, 4, 32, 2)])
-def test_prefetching_loop_tile_boundaries_poisoned(page_size, block_q, block_k, splits):
-    """The prefetching loop (K/V of the next tile and page ids of the one after in flight):
-    per-token page ids (page 16 < block_k 64) and one id a tile, split ranges whose prefetch
-    runs past the split's last tile, and past the block table's last column."""
-    args = make_batch(23, BOUNDARY_Q, np.add(BOUNDARY_CTX, BOUNDARY_Q), num_q_heads=6,
-                      num_kv_heads=2, head_dim=32, page_size=page_size, max_seqs=6,
-                      num_tokens=sum(BOUNDARY_Q) + 5)
-    args, clean = poison(args)
-    check(args, ref_args=clean, tol=1e-5, sm_scale=0.3, block_q=block_q, block_k=block_k,
-          num_kv_splits=splits, prefetch=True)
-
-
-def test_prefetching_loop_window_soft_cap_bf16():
-    args = make_batch(24, [5, 1, 12], [60, 90, 12], num_q_heads=9, num_kv_heads=3, head_dim=64,
-                      page_size=16, max_seqs=3, num_tokens=24)
-    for splits in (1, 3):
-        check(args, tol=1e-5, sm_scale=0.3, sliding_window=20, soft_cap=5.0,
-              num_kv_splits=splits, prefetch=True)
-    q_lens, ctx = [50, 17, 3, 1], [700, 333, 1000, 900]
-    args = make_batch(25, q_lens, np.add(ctx, q_lens), num_q_heads=8, num_kv_heads=2, head_dim=64,
-                      page_size=16, dtype=jnp.bfloat16, max_seqs=5, num_tokens=80)
-    args, clean = poison(args)
-    check(args, ref_args=clean, tol=1e-2, sm_scale=0.125, prefetch=True)
-
-
 def test_prefill_long_context_ragged_bf16_poisoned():
     # default prefill tiles and split count; chunks over 700-1000 tokens of context, ragged
     q_lens, ctx = [50, 17, 3, 1], [700, 333, 1000, 900]
@@ -204,7 +177,7 @@ def test_poison_catches_reads_past_kv_len():
 def test_lowers_for_cuda():
     """Every code path lowers for CUDA: decode and prefill buckets, one and several KV splits,
     unmasked + masked loops (no window) and masked only (window), soft cap, fp32, head dim 256,
-    one page id a tile (page 64) and per-token ids (page 16), the prefetching loop."""
+    one page id a tile (page 64) and per-token ids (page 16)."""
     sds = jax.ShapeDtypeStruct
     max_seqs, max_pages = 8, 16
     cases = [(64, (9, 3, 64), 16, jnp.bfloat16), (64, (32, 8, 128), 16, jnp.bfloat16),
@@ -216,7 +189,7 @@ def test_lowers_for_cuda():
                 sds((max_seqs,), jnp.int32), sds((max_seqs, max_pages), jnp.int32),
                 sds((max_seqs + 1,), jnp.int32), sds((1,), jnp.int32))
         for splits in (1, 4):
-            for extra in (dict(), dict(soft_cap=30.0, sliding_window=128), dict(prefetch=True)):
+            for extra in (dict(), dict(soft_cap=30.0, sliding_window=128)):
                 fn = functools.partial(ragged_paged_attention, sm_scale=0.1,
                                        num_kv_splits=splits, **extra)
                 assert "ragged_paged_attention" in lower_for_h200(fn, *args)
