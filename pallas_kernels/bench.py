@@ -4,7 +4,8 @@
 2. Correctness on the GPU (interpret mode hides races): random ragged batches, permuted block
    tables, NaN-poisoned outputs, every tiling that is timed, against the fp32 XLA reference.
 3. Timings, side by side: decode against jax's Pallas paged_attention and the XLA reference;
-   prefill against cuDNN dense causal flash attention and the XLA reference; a mixed batch;
+   prefill (the Triton and the Mosaic GPU kernel) against cuDNN dense causal flash attention
+   and the XLA reference; a mixed batch;
    the KV write (Pallas vs XLA scatter). Writes results.json under --out, prints a table last.
 Timing: n calls unrolled in one jit, each call's output the next call's input (nothing can be
 hoisted or merged), KV pages rotated so small cases miss L2; per call = (t(11) - t(1)) / 10,
@@ -28,6 +29,7 @@ import numpy as np
 from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
+from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 with warnings.catch_warnings():
@@ -120,19 +122,32 @@ def guarded(fn, *args, **kw):
                 "error": repr(e)[-600:]}
 
 
-def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=None, **kw):
+def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=None,
+               mosaic=False, **kw):
+    """Triton: NaN-poisoned output, live rows checked. Mosaic (no output aliasing): padding
+    rows must come back 0, and page 0, which only the block tables' unused entries name, is
+    NaN: a kernel reading past a sequence's last page returns NaN."""
     b = random_batch(key, q_lens, kv_lens, dtype=dtype, page_size=page_size,
                      max_seqs=len(q_lens) + 3, num_tokens=int(np.sum(q_lens)) + 7, **heads)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
     args = attn_args(b)
     ref = ragged_paged_attention_reference(*[a.astype(jnp.float32) if a.dtype == dtype else a
                                              for a in args], **ref_kw)
-    out = ragged_paged_attention(*args, _fill_value=float("nan"), **kw)
     live = int(np.sum(q_lens))
+    if mosaic:
+        q, k_cache, v_cache, *rest = args
+        k_cache, v_cache = (c.at[0].set(jnp.nan) for c in (k_cache, v_cache))
+        out = ragged_paged_attention_mgpu(q, k_cache, v_cache, *rest, **kw)
+        padding_zero = bool((np.asarray(out[live:], np.float32) == 0).all())
+    else:
+        out = ragged_paged_attention(*args, _fill_value=float("nan"), implementation="triton",
+                                     **kw)
+        padding_zero = True
     out, ref = np.asarray(out[:live], np.float32), np.asarray(ref[:live])
     err = rel_err(out, ref) if np.isfinite(out).all() else float("nan")
     tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3
-    return {"case": name, "rel_err": err, "ok": bool(err < tol)}
+    return {"case": name, "rel_err": err, "ok": bool(err < tol and padding_zero),
+            "padding_zero": padding_zero}
 
 
 def correctness(decode_tiles, prefill_tiles):
@@ -159,6 +174,19 @@ def correctness(decode_tiles, prefill_tiles):
     for tiles in prefill_tiles:
         results.append(guarded(check_case, f"prefill 300+700, 1 {tiles}", next(key), [300, 1, 5],
                                   [1000, 77, 5], HEADS, sm_scale=0.088, **tiles))
+    mixed_q, mixed_kv = [1, 0, 37, 1, 200, 1, 300], [300, 0, 37, 1000, 700, 5, 1000]
+    for tiles in MOSAIC_TILES:
+        results.append(guarded(check_case, f"mosaic 32/8/128 mixed {tiles}", next(key), mixed_q,
+                               mixed_kv, HEADS, mosaic=True, sm_scale=0.088, **tiles))
+    for name, heads, page_size, dtype in [
+            ("mosaic 64/8/128 P64", dict(HEADS, num_q_heads=64), 64, jnp.bfloat16),
+            ("mosaic 8/8/64 P32", dict(num_q_heads=8, num_kv_heads=8, head_dim=64), 32,
+             jnp.bfloat16),
+            ("mosaic 16/8/128 P8 f16", dict(HEADS, num_q_heads=16), 8, jnp.float16)]:
+        results.append(guarded(check_case, name, next(key), mixed_q, mixed_kv, heads,
+                               page_size=page_size, dtype=dtype, mosaic=True, sm_scale=0.088))
+    results.append(guarded(check_case, "mosaic 1 x 2048 chunk over 2048", next(key), [2048],
+                           [4096], HEADS, mosaic=True, sm_scale=0.088))
     k_cache, v_cache = (jax.random.normal(next(key), (64, PAGE, 8, 128), jnp.bfloat16)
                         for _ in range(2))
     k, v = (jax.random.normal(next(key), (100, 8, 128), jnp.bfloat16) for _ in range(2))
@@ -184,7 +212,15 @@ def attn_flops(q_lens, kv_lens, heads):
 def ours(tiles):
     def call(q, i, b):
         args = attn_args(b, i % b["block_tables"].shape[0])
-        return ragged_paged_attention(q, *args[1:], sm_scale=0.088, **tiles)
+        return ragged_paged_attention(q, *args[1:], sm_scale=0.088, implementation="triton",
+                                      **tiles)
+    return call
+
+
+def mosaic(tiles):
+    def call(q, i, b):
+        args = attn_args(b, i % b["block_tables"].shape[0])
+        return ragged_paged_attention_mgpu(q, *args[1:], sm_scale=0.088, **tiles)
     return call
 
 
@@ -235,6 +271,7 @@ def prefill_case(key, num_seqs, chunk, ctx, mm_TFLOPs, tiles, with_peers):
     row = {"kind": "prefill", "seqs": num_seqs, "chunk": chunk, "ctx": ctx,
            "floor_us": flops / mm_TFLOPs / 1e6}
     impls = {"ours": ours(tiles)}
+    impls.update({f"mosaic{i}": mosaic(t) for i, t in enumerate(MOSAIC_TILES)})
     if with_peers and chunk * (ctx + chunk) <= 512 * 2560:
         impls["xla"] = xla_ref
     if with_peers and ctx == 0:
@@ -260,7 +297,9 @@ def mixed_case(key, ceil, tiles):
     nbytes, flops = kv_bytes(kv_lens, HEADS), attn_flops(q_lens, kv_lens, HEADS)
     floor = max(nbytes / ceil["copy_GBps"] / 1e9, flops / ceil["matmul_TFLOPs"] / 1e12)
     row = {"kind": "mixed 64x2048 decode + 512 over 2048", "floor_us": floor * 1e6}
-    for name, call in {"ours": ours(tiles), "xla": xla_ref}.items():
+    impls = {"ours": ours(tiles), "xla": xla_ref}
+    impls.update({f"mosaic{i}": mosaic(t) for i, t in enumerate(MOSAIC_TILES)})
+    for name, call in impls.items():
         secs = time_chain(call, b["q"], b)
         row[f"{name}_us"], row[f"{name}_pct_floor"] = secs * 1e6, 100 * floor / secs
     return row
@@ -299,6 +338,10 @@ PREFILL_TILES = [dict(block_q=16, block_k=64, num_warps=4, num_stages=2),
                  dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
                  dict(block_q=32, block_k=64, num_warps=8, num_stages=2),
                  dict(block_q=32, block_k=128, num_warps=8, num_stages=2)]
+
+# the Mosaic GPU prefill kernel's tilings, KV tile x ring depth (shared memory: 2 x 2 x 64 x 128
+# 16-bit for Q and its staging rows, num_stages x block_kv x 128 for each of K and V)
+MOSAIC_TILES = [dict(block_kv=128, num_stages=2), dict(block_kv=64, num_stages=3)]
 
 
 SECTIONS = ("correctness", "sweep", "split_sweep", "decode", "prefill", "mixed", "kv_write")

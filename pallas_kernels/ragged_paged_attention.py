@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+
 _MASK_INIT = -1e30
 
 
@@ -216,6 +218,11 @@ def _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles) 
     return max(1, min(pl.cdiv(2 * _NUM_SMS, num_kv_heads), num_tiles // 4))
 
 
+def _is_hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
 def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs):
     _, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, kv_head_dim = k_cache.shape
@@ -235,13 +242,13 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seq
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_k", "num_kv_splits",
-    "num_warps", "num_stages"))
+    "num_warps", "num_stages", "implementation"))
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, interpret: bool = False,
                            block_q: int | None = None, block_k: int | None = None,
                            num_kv_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None,
+                           num_stages: int | None = None, implementation: str | None = None,
                            _fill_value: float = 0.0):
     """The Pallas kernel; same contract as `ragged_paged_attention_reference` (module docstring).
 
@@ -250,9 +257,26 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     `num_kv_splits` the most KV splits, merged exactly afterwards (flash-decoding; default: only
     for buckets where fewer programs than SMs may run; each step uses as many as its live
     sequences need to fill the GPU).
+    `implementation`: "triton" (this kernel), "mosaic" (ragged_paged_attention_mgpu.py: wgmma
+    and TMA on Hopper, 2x the prefill rate, docs/benchmarks.md) or None: Mosaic for prefill
+    buckets (more tokens than sequences) on a Hopper GPU where it supports the call and no
+    Triton tile is given, else Triton.
     Padding rows (past cu_q_lens[num_seqs]) come back zero.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if implementation not in (None, "triton", "mosaic"):
+        raise ValueError(f"implementation={implementation!r} must be None, 'triton' or 'mosaic'")
+    supported = mgpu.supports(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap)
+    if implementation == "mosaic" and not supported:
+        raise ValueError("implementation='mosaic' takes 16-bit q/K/V, head_dim 64 or 128, a query "
+                         "group of 1, 2, 4 or 8, a block_size of 8, 16, 32, 64 or 128 and no "
+                         f"sliding window or soft cap; got q {q.shape} {q.dtype}, k_cache {k_cache.shape}")
+    triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
+    auto_mosaic = (implementation is None and supported and not interpret and not triton_tiles
+                   and q.shape[0] > block_tables.shape[0] and _is_hopper())
+    if implementation == "mosaic" or auto_mosaic:
+        return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
+                                                cu_q_lens, num_seqs, sm_scale=sm_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
