@@ -81,7 +81,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    attention_backend: str = "auto"  # auto: pallas on GPU, xla elsewhere | pallas | xla
+    # auto: pallas on GPU, xla elsewhere | pallas (Triton; Mosaic GPU for prefill on Hopper) |
+    # triton | mosaic (that Pallas kernel for every bucket) | xla
+    attention_backend: str = "auto"
     compilation_cache_dir: str | None = "~/.cache/jaxllm/jit"  # None disables the persistent cache
     enforce_eager: bool = False  # skip warm-up (tests that do not care about compile time)
     # Launch step N+1 before fetching step N's tokens (vLLM's async scheduling), so the host's
@@ -95,9 +97,9 @@ class RunnerConfig:
     lean_steps: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "pallas", "xla"):
-            raise ValueError(
-                f"attention_backend must be auto, pallas or xla, got {self.attention_backend!r}.")
+        if self.attention_backend not in ("auto", "pallas", "triton", "mosaic", "xla"):
+            raise ValueError("attention_backend must be auto, pallas, triton, mosaic or xla, "
+                             f"got {self.attention_backend!r}.")
 
 
 @dataclass(frozen=True)

@@ -274,6 +274,18 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_attention_backend_names():
+    from jaxllm.config import RunnerConfig
+    from jaxllm.engine.engine_core import _attention_backend
+    for name in ("auto", "pallas", "triton", "mosaic", "xla"):
+        RunnerConfig(attention_backend=name)
+    with pytest.raises(ValueError, match="auto, pallas, triton, mosaic or xla"):
+        RunnerConfig(attention_backend="flash")
+    attn, _ = _attention_backend("triton")
+    assert attn.keywords == {"implementation": "triton"}
+    assert _attention_backend("pallas")[0].keywords == {"implementation": None}
+
+
 def test_model_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "missing"))

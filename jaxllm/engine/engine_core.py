@@ -10,6 +10,7 @@ them, and the device runs steps in launch order.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 
@@ -33,11 +34,15 @@ logger = logging.getLogger("jaxllm")
 
 
 def _attention_backend(name: str):
+    """-> (attention, KV write). pallas: the Triton kernel, and the Mosaic GPU one for prefill
+    buckets on Hopper; triton / mosaic: that kernel for every bucket; xla: the jnp reference."""
     if name == "auto":
         name = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if name == "pallas":
-        return ragged_paged_attention.ragged_paged_attention, kv_write.write_kv
-    return ragged_paged_attention.ragged_paged_attention_reference, kv_write.write_kv_reference
+    if name == "xla":
+        return ragged_paged_attention.ragged_paged_attention_reference, kv_write.write_kv_reference
+    implementation = None if name == "pallas" else name
+    return (functools.partial(ragged_paged_attention.ragged_paged_attention,
+                              implementation=implementation), kv_write.write_kv)
 
 
 def _enable_compilation_cache(path: str | None) -> None:
