@@ -270,7 +270,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     if implementation == "mosaic" and not supported:
         raise ValueError("implementation='mosaic' takes 16-bit q/K/V, head_dim 64 or 128, a query "
                          "group of 1, 2, 4 or 8, a block_size of 8, 16, 32, 64 or 128 and no "
-                         f"sliding window or soft cap; got q {q.shape} {q.dtype}, k_cache {k_cache.shape}")
+                         f"sliding window or soft cap; got q {q.shape} {q.dtype}, "
+                         f"k_cache {k_cache.shape}")
     triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
     auto_mosaic = (implementation is None and supported and not interpret and not triton_tiles
                    and q.shape[0] > block_tables.shape[0] and _is_hopper())
