@@ -210,19 +210,15 @@ def attn_flops(q_lens, kv_lens, heads):
     return 4 * heads["num_q_heads"] * heads["head_dim"] * total
 
 
-def ours(tiles):
+def ours(tiles, kernel=functools.partial(ragged_paged_attention, implementation="triton")):
     def call(q, i, b):
         args = attn_args(b, i % b["block_tables"].shape[0])
-        return ragged_paged_attention(q, *args[1:], sm_scale=0.088, implementation="triton",
-                                      **tiles)
+        return kernel(q, *args[1:], sm_scale=0.088, **tiles)
     return call
 
 
 def mosaic(tiles):
-    def call(q, i, b):
-        args = attn_args(b, i % b["block_tables"].shape[0])
-        return ragged_paged_attention_mgpu(q, *args[1:], sm_scale=0.088, **tiles)
-    return call
+    return ours(tiles, ragged_paged_attention_mgpu)
 
 
 def xla_ref(q, i, b):

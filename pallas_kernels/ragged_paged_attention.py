@@ -135,38 +135,34 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # fold into one multiply of the scores.
         qk_scale = sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap
 
-        def positions(t):
-            return t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk] KV positions
-
-        def tile_pages(t, kv_pos, kv_valid):
-            """Page ids of tile t: a scalar where the tile lies in one page, else [Bk]."""
-            if page_size % block_k == 0:
-                return block_tables_ref[seq, t * block_k // page_size]
+        def tile_slots(t, kv_pos, kv_valid):
+            """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""
+            if page_size % block_k == 0:  # the tile lies in one page: one page id, in range
+                page = block_tables_ref[seq, t * block_k // page_size]
+                return (page * page_size + t * block_k % page_size
+                        + jnp.arange(block_k, dtype=jnp.int32))
             # Several pages a tile: per-token ids (a [Bk] gather of Bk / P distinct words that
             # L1 broadcasts; a per-page load would need a reshape that costs a layout change).
-            return pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
+            page = pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
                                  other=None if kv_valid is None else 0)
+            return page * page_size + kv_pos % page_size
 
-        def load_kv(t, pages, kv_pos, kv_valid):
-            """K, V [Bk, D] of tile t from its page ids; rows where kv_valid is False read 0."""
-            slots = pages * page_size + (t * block_k % page_size
-                                         + jnp.arange(block_k, dtype=jnp.int32)
-                                         if page_size % block_k == 0 else kv_pos % page_size)
-            # dims (an arange) last and unit-stride: Triton vectorises the loads along D
-            kv_idx = (slots[:, None], kv_head, dims)
-            load_kw = {} if kv_valid is None else dict(mask=kv_valid[:, None], other=0)
-            return (pltriton.load(k_ref.at[kv_idx], **load_kw),
-                    pltriton.load(v_ref.at[kv_idx], **load_kw))
-
-        def attend(t, k, v, carry, *, masked):
-            """The online-softmax update with one KV tile."""
+        def tile_step(t, carry, *, masked):
+            """One KV tile. Unmasked tiles lie wholly below the block's first query position
+            (so below kv_len): every row sees every key, and loads and scores skip all masks."""
             m, l, acc = carry
+            kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
+            kv_valid = kv_pos < kv_hi if masked else None
+            # dims (an arange) last and unit-stride: Triton vectorises the loads along D
+            kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)
+            load_kw = dict(mask=kv_valid[:, None], other=0) if masked else {}
+            k = pltriton.load(k_ref.at[kv_idx], **load_kw)  # [Bk, D]
+            v = pltriton.load(v_ref.at[kv_idx], **load_kw)
             s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s)
             if masked:
-                kv_pos = positions(t)
-                mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_hi)[None, :]
+                mask = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
                 if sliding_window is not None:
                     mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
                 s = jnp.where(mask, s, _MASK_INIT)
@@ -179,22 +175,18 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=dot_precision)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-        def tile_step(t, carry, *, masked):
-            """One KV tile. Unmasked tiles lie wholly below the block's first query position
-            (so below kv_len): every row sees every key, and loads and scores skip all masks."""
-            kv_pos = positions(t)
-            kv_valid = kv_pos < kv_hi if masked else None
-            k, v = load_kv(t, tile_pages(t, kv_pos, kv_valid), kv_pos, kv_valid)
-            return attend(t, k, v, carry, masked=masked)
-
         num_rows, head_dim = q.shape
         carry = (jnp.full((num_rows,), _MASK_INIT, jnp.float32),
                  jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, head_dim), jnp.float32))
         # The split's tiles [t0, t1) in two runs: those every row sees whole (below first_pos),
         # then the diagonal / tail tiles. A window masks from below too: all tiles take the mask.
-        t_masked = t0 if sliding_window is not None else jnp.clip(first_pos // block_k, t0, t1)
-        carry = jax.lax.fori_loop(t0, t_masked, functools.partial(tile_step, masked=False), carry)
-        m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True), carry)
+        t_masked = t0
+        if sliding_window is None:
+            t_masked = jnp.clip(first_pos // block_k, t0, t1)
+            carry = jax.lax.fori_loop(t0, t_masked, functools.partial(tile_step, masked=False),
+                                      carry)
+        m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
+                                      carry)
         out = acc / jnp.maximum(l, 1e-30)[:, None]
         if num_splits == 1:
             pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])

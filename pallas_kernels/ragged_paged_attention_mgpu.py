@@ -32,7 +32,7 @@ _ROWS = 64  # rows of one compute warpgroup: the wgmma M
 _SMEM_BYTES = 227 * 1024  # per block on Hopper
 _LOG2E = math.log2(math.e)
 # tile metadata columns (one row per query tile, built by `tile_metadata`)
-_SEQ, _TOK0, _NTOK, _QPOS0, _KV_LEN, _META_COLS = range(6)
+_SEQ, _TOK0, _NTOK, _QPOS0, _KV_LEN = range(5)
 
 
 def supports(q, k_cache, *, sliding_window=None, soft_cap=None, block_kv: int = 128) -> bool:
