@@ -45,7 +45,7 @@ def main() -> None:
     from jaxllm.bench.datasets import random_requests
     from jaxllm.bench.serve import benchmark, format_result
     from jaxllm.models.presets import PRESETS
-    from server.testing import RemoteServer
+    from jaxllm.server.testing import RemoteServer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -24,7 +24,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from jaxllm.loader.orbax_ckpt import convert
+    from jaxllm.loader.convert import convert
 
     print(convert(None if args.model == "default" else args.model, args.out, args.dtype))
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     generate.set_defaults(handler=_generate)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
-    from server.cli import add_serve_args, run_serve
+    from jaxllm.server.cli import add_serve_args, run_serve
     add_serve_args(serve)
     serve.set_defaults(handler=run_serve)
 

@@ -1,12 +1,12 @@
-"""`python -m server [MODEL] [flags]`: the same as `jaxllm serve`."""
+"""`python -m jaxllm.server [MODEL] [flags]`: the same as `jaxllm serve`."""
 
 import argparse
 import logging
 
-from server.cli import add_serve_args, run_serve
+from jaxllm.server.cli import add_serve_args, run_serve
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s",
                         datefmt="%H:%M:%S")
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.server", description=__doc__)
     run_serve(add_serve_args(parser).parse_args())

@@ -15,12 +15,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from server.errors import OpenAIError, decode_request, error_response
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from jaxllm.server.errors import OpenAIError, decode_request, error_response
+from jaxllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              DetokenizeResponse, TokenizeRequest, TokenizeResponse)
-from server.serving import OpenAIServing
-from server.serving_chat import ChatServing, render_chat
-from server.serving_completion import CompletionServing
+from jaxllm.server.serving import OpenAIServing
+from jaxllm.server.serving_chat import ChatServing, render_chat
+from jaxllm.server.serving_completion import CompletionServing
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024

@@ -51,8 +51,8 @@ def build_serving(args: argparse.Namespace):
     """Loads and warms up the engine, then returns the app's serving state."""
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.engine.dp_engine import make_engine
-    from server.metrics import ServerMetrics
-    from server.serving import OpenAIServing
+    from jaxllm.server.metrics import ServerMetrics
+    from jaxllm.server.serving import OpenAIServing
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"max_queue_len must be at least 1, got {args.max_queue_len}.")
@@ -65,7 +65,7 @@ def build_serving(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from server.app import build_app
+    from jaxllm.server.app import build_app
 
     serving = build_serving(args)
     app = build_app(serving, api_key=args.api_key)

@@ -8,7 +8,7 @@ from http import HTTPStatus
 import msgspec
 from starlette.responses import Response
 
-from server.protocol import ErrorInfo, ErrorResponse
+from jaxllm.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import msgspec
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
-from server.errors import OpenAIError, error_body
-from server.metrics import RequestTimer, ServerMetrics
-from server.protocol import (LogprobEntry, ModelCard, ModelList, PromptLogprobs, SamplingFields,
+from jaxllm.server.errors import OpenAIError, error_body
+from jaxllm.server.metrics import RequestTimer, ServerMetrics
+from jaxllm.server.protocol import (LogprobEntry, ModelCard, ModelList, PromptLogprobs, SamplingFields,
                              UsageInfo)
 
 logger = logging.getLogger(__name__)

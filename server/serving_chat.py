@@ -11,12 +11,12 @@ from starlette.responses import Response, StreamingResponse
 
 from jaxllm.outputs import SampleLogprobs
 from jaxllm.sampling_params import MAX_LOGPROBS
-from server.errors import OpenAIError
-from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+from jaxllm.server.errors import OpenAIError
+from jaxllm.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatLogprobs, ChatMessage,
                              ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
                              DeltaMessage, TopLogprob)
-from server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, clamp_logprob,
+from jaxllm.server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, clamp_logprob,
                             prompt_logprobs_body, sse, stream_error, token_text, top_entries,
                             usage)
 

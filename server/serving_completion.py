@@ -10,10 +10,10 @@ import msgspec
 from starlette.responses import Response, StreamingResponse
 
 from jaxllm.outputs import Logprob, RequestOutput
-from server.errors import OpenAIError
-from server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
+from jaxllm.server.errors import OpenAIError
+from jaxllm.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                              CompletionRequest, CompletionResponse)
-from server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, clamp_logprob,
+from jaxllm.server.serving import (SSE_DONE, DeltaTracker, OpenAIServing, clamp_logprob,
                             prompt_logprobs_body, sse, stream_error, token_text, top_entries,
                             usage)
 

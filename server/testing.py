@@ -1,4 +1,4 @@
-"""RemoteServer: a real `python -m server` process on loopback, for tests and benchmarks."""
+"""RemoteServer: a real `python -m jaxllm.server` process on loopback, for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class RemoteServer:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
         env.pop("JAXLLM_API_KEY", None)
-        cmd = [sys.executable, "-m", "server", *([model] if model else []),  # None: the default
+        cmd = [sys.executable, "-m", "jaxllm.server", *([model] if model else []),  # None: the default
                "--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]

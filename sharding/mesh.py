@@ -19,11 +19,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxllm.config import ParallelConfig
+from jaxllm.sharding.axes import AXES, DATA, TENSOR
 
 logger = logging.getLogger(__name__)
-
-DATA, TENSOR = "data", "tensor"
-AXES = (DATA, TENSOR)
 
 
 def make_mesh(parallel_config: ParallelConfig, devices=None) -> Mesh:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sharding.mesh import DATA, TENSOR
+from jaxllm.sharding.axes import DATA, TENSOR
 
 T = TENSOR
 _COLUMN = ("wq", "bq", "w_gate", "w_up", "shared_gate", "shared_up")  # output dim split

@@ -184,7 +184,7 @@ def test_bench_latency_and_decode_step(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_bench_serve_against_a_server(tiny_llama_dir, tmp_path, capsys):
-    from server.testing import RemoteServer
+    from jaxllm.server.testing import RemoteServer
 
     server = RemoteServer(tiny_llama_dir, ENGINE_FLAGS)
     try:

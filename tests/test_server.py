@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server as users meet it: a real `python -m server` process on loopback,
+"""The OpenAI-compatible server as users meet it: a real `python -m jaxllm.server` process on loopback,
 driven by the official openai client (and raw httpx where the client hides the wire)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from conftest import TINY_CONFIGS, TINY_VOCAB
-from server.testing import RemoteServer
+from jaxllm.server.testing import RemoteServer
 
 API_KEY = "test-key-5e3a"
 SERVER_ARGS = ["--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",

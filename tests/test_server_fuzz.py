@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.testing import RemoteServer
+from jaxllm.server.testing import RemoteServer
 
 SERVER_ARGS = ["--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
                "--num-gpu-blocks-override", "32", "--block-size", "8", "--max-queue-len", "2"]

@@ -100,7 +100,7 @@ def _serve_engine_kind(model: str) -> str:
     """`jaxllm serve OUT --data-parallel-size 2` builds its engine (no steps: nothing compiles)."""
     import argparse
 
-    from server.cli import add_serve_args, build_serving
+    from jaxllm.server.cli import add_serve_args, build_serving
 
     args = add_serve_args(argparse.ArgumentParser()).parse_args(
         [model, "--data-parallel-size", "2", "--dtype", "float32", "--max-model-len", "64",
@@ -113,7 +113,7 @@ def _serve_engine_kind(model: str) -> str:
 
 
 def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_path):
-    from jaxllm.loader.orbax_ckpt import convert
+    from jaxllm.loader.convert import convert
 
     moe_dir = _save_tiny_moe(str(tmp_path / "moe"))
     llama_ckpt = convert(tiny_llama_dir, str(tmp_path / "llama_ckpt"), dtype="float32")
@@ -188,7 +188,7 @@ def test_two_processes_on_loopback_equal_single_device(tiny_llama_dir):
 def test_mesh_errors_name_the_numbers():
     from jaxllm.config import ParallelConfig
     from jaxllm.models import ModelArgs
-    from sharding.mesh import make_mesh, validate_model_parallelism
+    from jaxllm.sharding.mesh import make_mesh, validate_model_parallelism
 
     with pytest.raises(ValueError, match=r"World size \(4 .*available devices \(1\)"):
         make_mesh(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
@@ -211,7 +211,7 @@ def test_mesh_errors_name_the_numbers():
 
 def test_ep_with_one_device_warns(caplog):
     from jaxllm.config import ParallelConfig
-    from sharding.mesh import make_mesh
+    from jaxllm.sharding.mesh import make_mesh
 
     with caplog.at_level("WARNING"):
         mesh = make_mesh(ParallelConfig(enable_expert_parallel=True))
@@ -227,8 +227,8 @@ def test_rules_cover_every_param_and_expand_kv_heads():
     from jaxllm.config import ParallelConfig
     from jaxllm.loader.hf_names import flatten_paths
     from jaxllm.models import ModelArgs, param_shapes
-    from sharding.mesh import make_mesh
-    from sharding.rules import ShardingPlan, expand_kv_heads
+    from jaxllm.sharding.mesh import make_mesh
+    from jaxllm.sharding.rules import ShardingPlan, expand_kv_heads
 
     args = ModelArgs.from_hf_config(dict(TINY_MOE))
     plan = ShardingPlan(make_mesh(ParallelConfig()), args, expert_parallel=True)
@@ -252,7 +252,8 @@ def test_orbax_convert_then_restore_roundtrip(tiny_llama_dir, tmp_path):
     import jax
 
     from jaxllm.loader import load_model
-    from jaxllm.loader.orbax_ckpt import convert, is_orbax_checkpoint, restore_params
+    from jaxllm.loader.convert import convert
+    from jaxllm.loader.orbax_ckpt import is_orbax_checkpoint, restore_params
 
     out = convert(tiny_llama_dir, str(tmp_path / "ckpt"), dtype="float32")
     assert is_orbax_checkpoint(out) and not is_orbax_checkpoint(tiny_llama_dir)

@@ -19,8 +19,8 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.engine_core import EngineCore
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
-from sharding.mesh import make_mesh, replica_meshes
-from sharding.setup import peek_model_args
+from jaxllm.sharding.mesh import make_mesh, replica_meshes
+from jaxllm.engine.model_setup import peek_model_args
 
 logger = logging.getLogger("jaxllm")
 

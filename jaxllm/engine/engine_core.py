@@ -28,7 +28,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import kv_cache
 from jaxllm.worker.model_runner import LaunchedStep, ModelRunner
 from pallas_kernels import kv_write, ragged_paged_attention
-from sharding.setup import engine_mesh, load_for_engine
+from jaxllm.engine.model_setup import engine_mesh, load_for_engine
 
 logger = logging.getLogger("jaxllm")
 

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.loader.dummy import dummy_params
 from jaxllm.loader.hf_names import flatten_paths, map_hf_name, split_expert_path, unflatten_paths
+from jaxllm.loader.orbax_ckpt import is_orbax_checkpoint, restore_params
 from jaxllm.loader.placement import Shardings, place
 from jaxllm.loader.safetensors_io import count_tensors, iter_tensors, safetensors_files
 from jaxllm.models import ModelArgs, param_shapes
@@ -59,7 +60,6 @@ def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto"
     elif model.endswith(".gguf") and os.path.isfile(model):
         from jaxllm.loader.default_model import converted_gguf_dir
         model = converted_gguf_dir(model)
-    from jaxllm.loader.orbax_ckpt import is_orbax_checkpoint, restore_params  # imports us
 
     target = resolve_dtype(dtype)
     if load_format == "dummy" and model in PRESETS:

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.loader.hf_names import flatten_paths, unflatten_paths
-from jaxllm.loader.loader import load_model
 from jaxllm.loader.placement import Shardings
 from jaxllm.models import ModelArgs, param_shapes
 
@@ -25,11 +24,10 @@ def is_orbax_checkpoint(path: str | None) -> bool:
     return bool(path) and os.path.isfile(os.path.join(path, MARKER))
 
 
-def convert(model: str | None, out_dir: str, dtype: str = "auto") -> str:
-    """Loads `model` as LLM(model) would and writes the checkpoint to out_dir; returns out_dir."""
+def save_checkpoint(loaded, out_dir: str) -> str:
+    """Writes a LoadedModel's params and files to out_dir as a model directory; returns it."""
     import orbax.checkpoint as ocp
 
-    loaded = load_model(model, dtype)
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:

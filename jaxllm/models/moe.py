@@ -25,9 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.args import ModelArgs
 from jaxllm.models.layers import MLPS, dense_mlp
+from jaxllm.sharding.axes import DATA, TENSOR
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 
-DATA, TENSOR = "data", "tensor"  # sharding.mesh's axis names (models/ does not import sharding/)
 
 
 def route(x: jax.Array, router: jax.Array, args: ModelArgs) -> tuple[jax.Array, jax.Array]:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxllm.models.args import ModelArgs
 from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" MLPs)
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
-from jaxllm.worker.batch import StepBatch
+from jaxllm.models.batch import StepBatch
 from pallas_kernels.kv_write import write_kv_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 

@@ -11,23 +11,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
+from jaxllm.models.batch import StepBatch
+
 PAD_SLOT = 0  # block 0, offset 0: reserved for padding writes
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class StepBatch:
-    token_ids: jax.Array  # [T] int32
-    positions: jax.Array  # [T] int32
-    slot_mapping: jax.Array  # [T] int32: block_id * block_size + offset
-    block_tables: jax.Array  # [S, B] int32
-    cu_q_lens: jax.Array  # [S + 1] int32: query start of each sequence in the flat batch
-    kv_lens: jax.Array  # [S] int32: KV length after this step's tokens are written
-    num_seqs: jax.Array  # [1] int32: live sequences (the rest are padding)
-    logits_indices: jax.Array  # [S] int32: flat index of each sequence's last scheduled token
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What an EngineCore needs to run on a mesh: the model loaded shard by shard, the step's model
-function and the KV cache sharding (used by jaxllm/engine/engine_core.py)."""
+function and the KV cache sharding (used by EngineCore)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from jaxllm.config import ParallelConfig
 from jaxllm.loader import load_model
 from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.models.presets import PRESETS
-from sharding.mesh import make_mesh, validate_model_parallelism
-from sharding.rules import ShardingPlan
+from jaxllm.sharding.mesh import make_mesh, validate_model_parallelism
+from jaxllm.sharding.rules import ShardingPlan
 
 
 @dataclasses.dataclass
