@@ -60,9 +60,9 @@ class PlaceholderCounter:
         launch = runner.launch
 
         def counting_launch(scheduler_output):
-            self.count += sum(s.token_ids.count(PLACEHOLDER_TOKEN_ID)
-                              for s in scheduler_output.scheduled)
-            return launch(scheduler_output)
+            launched = launch(scheduler_output)
+            self.count += sum(c.token_ids.count(PLACEHOLDER_TOKEN_ID) for c in launched.chunks)
+            return launched
         runner.launch = counting_launch
 
     def check(self, llm: LLM) -> None:

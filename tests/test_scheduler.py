@@ -2,20 +2,75 @@
 placeholders, and a randomised run in sync and async order."""
 
 import random
+from dataclasses import dataclass
 
 import pytest
 
 from jaxllm.config import CacheConfig, SchedulerConfig
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID as PH
-from jaxllm.core.scheduler import Scheduler
+from jaxllm.core.scheduler import Scheduler, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker.request_states import RequestStates
+
+
+@dataclass
+class Grant:
+    """One scheduled request as the runner sees it after applying the step contract."""
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_block_ids: list[int]  # a new request's whole table, else the blocks added
+    samples: bool
+    next_token_id: int
+    sampling_params: SamplingParams
+    is_new: bool
+
+
+@dataclass
+class Step:
+    """A SchedulerOutput and the grants the runner derives from it."""
+    out: SchedulerOutput
+    scheduled: list[Grant]
+
+    def __getattr__(self, name):
+        return getattr(self.out, name)
+
+
+class RunnerViewScheduler(Scheduler):
+    """A Scheduler whose outputs pass through the runner's RequestStates, as in the engine, so
+    the tests check the tokens, positions and blocks the runner computes from the deltas."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.states = RequestStates(self.max_num_seqs * 4, 64)
+
+    def schedule(self) -> Step:
+        out = super().schedule()
+        blocks = {r.request_id: r.block_ids for r in out.scheduled_new_reqs}
+        blocks.update({r.request_id: r.new_block_ids for r in out.scheduled_cached_reqs})
+        return Step(out, [Grant(c.state.request_id, c.token_ids, c.start,
+                                c.state.num_prompt_tokens, c.num_output_tokens,
+                                blocks[c.state.request_id], c.samples, c.next_token_id,
+                                c.state.sampling_params, c.state.request_id in
+                                {r.request_id for r in out.scheduled_new_reqs})
+                          for c in self.states.apply(out)])
+
+    def update_from_output(self, step: Step, sampled: dict[str, int]):
+        # The runner returns tokens only for the grants that sample.
+        tokens = {g.request_id: [sampled[g.request_id]] for g in step.scheduled if g.samples}
+        for request_id, token_ids in tokens.items():
+            self.states.record_sampled(request_id, token_ids)
+        return super().update_from_output(step.out, tokens)
 
 
 def make_scheduler(num_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
                    max_model_len=64):
-    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
-                     CacheConfig(block_size=block_size), num_blocks)
+    return RunnerViewScheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                               max_model_len),
+                               CacheConfig(block_size=block_size), num_blocks)
 
 
 def make_request(request_id, num_prompt_tokens, **params):
@@ -50,7 +105,7 @@ def test_chunked_prefill_grants_and_batch_order():
     sample_all(scheduler, out)
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("a", 16, 4, [1, 2, 3], True), ("b", 0, 4, [4], False)]
-    assert out.num_scheduled_tokens == 8 and out.scheduled[1].token_ids == b.prompt_token_ids[:4]
+    assert out.total_num_scheduled_tokens == 8 and out.scheduled[1].token_ids == b.prompt_token_ids[:4]
     assert sample_all(scheduler, out, token_id=9) == [a] and a.output_token_ids == [9]
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("a", 20, 1, [1, 2, 3], True), ("b", 4, 2, [4], True)]
@@ -68,7 +123,7 @@ def test_max_num_seqs_limits_admissions():
     sample_all(scheduler, out)  # a reaches max_tokens=1
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("b", 3, 1, [2], True), ("c", 0, 3, [3], True)]
-    assert out.finished_request_ids == {"a"}
+    assert out.finished_req_ids == {"a"}
 
 
 def test_max_num_batched_tokens_chunks_the_last_admission():
@@ -78,7 +133,7 @@ def test_max_num_batched_tokens_chunks_the_last_admission():
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("a", 0, 4, [1], True), ("b", 0, 4, [2], True),
                                       ("c", 0, 2, [3], False)]
-    assert out.num_scheduled_tokens == 10
+    assert out.total_num_scheduled_tokens == 10
     sample_all(scheduler, out)
     out = scheduler.schedule()  # decodes first, then the rest of c's prompt
     assert grants(scheduler, out) == [("a", 4, 1, [1], True), ("b", 4, 1, [2], True),
@@ -98,7 +153,7 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     # a's 17th token needs a block: b, the newest, is preempted; its blocks return tail first.
     assert grants(scheduler, out) == [("a", 16, 1, [1, 2, 4], True)]
     assert out.scheduled[0].new_block_ids == [4]
-    assert out.preempted_request_ids == {"b"}
+    assert out.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and scheduler.num_preemptions_total == 1
     assert list(scheduler.waiting) == [b, scheduler.requests["c"]]
@@ -107,11 +162,11 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     sample_all(scheduler, out, token_id=12)
     out = scheduler.schedule()  # b needs 2 blocks, 1 is free: it waits
     assert grants(scheduler, out) == [("a", 17, 1, [1, 2, 4], True)]
-    assert out.preempted_request_ids == set()
+    assert out.preempted_req_ids == set()
     assert out.scheduled[0].new_block_ids == []
     sample_all(scheduler, out, token_id=13)  # a reaches max_tokens
     out = scheduler.schedule()
-    assert out.finished_request_ids == {"a"}
+    assert out.finished_req_ids == {"a"}
     # b recomputes its prompt and its sampled token; a's blocks came back as [3, 4, 2, 1].
     assert grants(scheduler, out) == [("b", 0, 10, [3, 4], True), ("c", 0, 2, [2], True)]
     assert [s.new_block_ids for s in out.scheduled] == [[3, 4], [2]]
@@ -125,7 +180,7 @@ def test_a_request_that_is_itself_the_newest_preempts_itself():
     scheduler.add_request(make_request("b", 8, max_tokens=2))
     sample_all(scheduler, scheduler.schedule())
     out = scheduler.schedule()
-    assert grants(scheduler, out) == [("a", 7, 1, [1], True)] and out.preempted_request_ids == {"b"}
+    assert grants(scheduler, out) == [("a", 7, 1, [1], True)] and out.preempted_req_ids == {"b"}
     assert scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids() == [2]
     assert [r.request_id for r in scheduler.waiting] == ["b"]
 
@@ -146,8 +201,8 @@ def test_abort_waiting_and_running_requests_frees_everything():
     assert scheduler.kv_cache_manager.num_free_blocks == 8
     assert not scheduler.has_unfinished_requests() and scheduler.num_running == 0
     out = scheduler.schedule()
-    assert out.scheduled == [] and out.finished_request_ids == {"a", "b", "c"}
-    assert scheduler.schedule().finished_request_ids == set()
+    assert out.scheduled == [] and out.finished_req_ids == {"a", "b", "c"}
+    assert scheduler.schedule().finished_req_ids == set()
     with pytest.raises(ValueError, match="finished status"):
         scheduler.finish_requests("a", RequestStatus.RUNNING)
 
@@ -237,7 +292,7 @@ def test_async_eos_finish_drops_the_placeholder_and_frees_blocks():
     assert scheduler.num_running == 0 and not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_gpu_blocks - 1
     out3 = scheduler.schedule()
-    assert out3.scheduled == [] and out3.finished_request_ids == {"a"}
+    assert out3.scheduled == [] and out3.finished_req_ids == {"a"}
     assert scheduler.update_from_output(out2, {"a": 7}) == []  # the in-flight token is void
     assert a.output_token_ids == [2]
 
@@ -291,7 +346,7 @@ def test_async_preempted_request_gets_its_token_then_recomputes_real_tokens():
     assert grants(scheduler, out1) == [("a", 0, 16, [1, 2], True), ("b", 0, 9, [3, 4], True)]
     out2 = scheduler.schedule()  # a's placeholder needs a block: b, the newest, is preempted
     assert grants(scheduler, out2) == [("a", 16, 1, [1, 2, 4], True)]
-    assert out2.preempted_request_ids == {"b"}
+    assert out2.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # the pool is free again
     # b's token is still in flight: it is not recomputed before it is known.
@@ -366,11 +421,11 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
         waiting_before = {r.request_id for r in scheduler.waiting}
         out = scheduler.schedule()
         num_steps += 1
-        if out.preempted_request_ids:  # as vLLM, a step that preempts admits no one
+        if out.preempted_req_ids:  # as vLLM, a step that preempts admits no one
             assert not waiting_before & {s.request_id for s in out.scheduled}
-        assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled) <= 24
+        assert out.total_num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled) <= 24
         assert len(out.scheduled) <= 6 and scheduler.num_running <= 6
-        for request_id in out.preempted_request_ids:
+        for request_id in out.preempted_req_ids:
             next_position[request_id] = 0
         held_blocks = []
         for s in out.scheduled:
@@ -390,7 +445,7 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
             assert end <= max(s.num_prompt_tokens,
                               min(max_model_len, s.num_prompt_tokens + max_tokens) - 1)
             next_position[s.request_id] = end
-            if start == 0:
+            if s.is_new:
                 runner_tables[s.request_id] = []
             runner_tables[s.request_id] += s.new_block_ids
             assert runner_tables[s.request_id] == block_ids
@@ -423,3 +478,36 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
     assert pool.num_free_blocks == num_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert scheduler.kv_cache_manager.req_to_blocks == {}
+
+
+def test_a_continuing_request_crosses_to_the_runner_as_a_delta():
+    """Everything once in NewRequestData; after that only new block ids and the position, never
+    the token list or the whole block table again, and the runner still computes every
+    token."""
+    from dataclasses import fields
+
+    from jaxllm.core.scheduler import CachedRequestData
+    assert {f.name for f in fields(CachedRequestData)} == {
+        "request_id", "new_block_ids", "num_computed_tokens"}
+    scheduler = make_scheduler(block_size=8, max_num_seqs=2, max_num_batched_tokens=12)
+    a = make_request("a", 20, max_tokens=6)
+    scheduler.add_request(a)
+    step = scheduler.schedule()
+    assert [r.request_id for r in step.scheduled_new_reqs] == ["a"]
+    assert step.scheduled_new_reqs[0].prompt_token_ids == a.prompt_token_ids
+    assert step.scheduled_new_reqs[0].block_ids == [1, 2]  # a 12-token chunk of the prompt
+    seen_blocks = [1, 2]
+    for i in range(8):
+        sample_all(scheduler, step, token_id=20 + i)
+        if a.is_finished():
+            break
+        step = scheduler.schedule()
+        assert step.scheduled_new_reqs == []
+        (cached,) = step.scheduled_cached_reqs
+        assert cached.num_computed_tokens == step.scheduled[0].num_computed_tokens
+        assert len(cached.new_block_ids) <= 1  # at most the block a decode opens
+        seen_blocks += cached.new_block_ids
+        assert seen_blocks == scheduler.kv_cache_manager.get_block_ids("a")
+        expected = (a.prompt_token_ids + a.output_token_ids)[cached.num_computed_tokens:]
+        assert step.scheduled[0].token_ids == expected
+    assert a.output_token_ids == [21, 22, 23, 24, 25, 26]  # step 1 was a partial prefill

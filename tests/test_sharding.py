@@ -88,8 +88,7 @@ def _tp2_step_collectives(model_dir: str) -> dict:
     packed, layout = pack(runner._padding_inputs(16))
     programs = {}
     for stages in ("cond", "plain", "all"):
-        text = runner._step.lower(runner.params, runner.kv_caches, runner.penalty_state,
-                                  runner.last_sampled, packed, layout, stages).compile().as_text()
+        text = runner._lower(packed, layout, stages).compile().as_text()
         kinds = [m.group(1) for m in map(collective.search, text.splitlines()) if m]
         programs[stages] = {"collectives": {k: kinds.count(k) for k in sorted(set(kinds))},
                             "cache_copies": len(cache_copy.findall(text))}

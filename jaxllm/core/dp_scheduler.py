@@ -14,15 +14,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
+from jaxllm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 
 
 @dataclass(slots=True)
 class DPSchedulerOutput:
     ranks: list[SchedulerOutput]  # one per DP rank
-    scheduled: list[ScheduledRequest]  # every rank's grants, rank-major
-    finished_request_ids: set[str]  # over all ranks
-    preempted_request_ids: set[str]
+
+    @property
+    def num_reqs(self) -> int:
+        return sum(out.num_reqs for out in self.ranks)
+
+    @property
+    def finished_req_ids(self) -> set[str]:
+        return set().union(*(out.finished_req_ids for out in self.ranks))
+
+    @property
+    def preempted_req_ids(self) -> set[str]:
+        return set().union(*(out.preempted_req_ids for out in self.ranks))
 
 
 class DPScheduler:
@@ -50,13 +59,10 @@ class DPScheduler:
             rank.finish_requests(request_ids, finished_status)
 
     def schedule(self) -> DPSchedulerOutput:
-        outputs = [rank.schedule() for rank in self.ranks]
-        return DPSchedulerOutput(outputs, [s for out in outputs for s in out.scheduled],
-                                 set().union(*(out.finished_request_ids for out in outputs)),
-                                 set().union(*(out.preempted_request_ids for out in outputs)))
+        return DPSchedulerOutput([rank.schedule() for rank in self.ranks])
 
     def update_from_output(self, scheduler_output: DPSchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
         return [request for rank, out in zip(self.ranks, scheduler_output.ranks, strict=True)
                 for request in rank.update_from_output(out, sampled_token_ids)]
 

@@ -7,6 +7,12 @@ the pool runs out of blocks for a running request, the newest running request is
 recompute: its blocks are freed and it goes back to the front of the waiting queue with
 num_computed_tokens = 0 (its prompt is now all its tokens so far).
 
+The step contract (SchedulerOutput): a request the runner does not hold yet (admitted, or
+resumed after preemption) comes once as NewRequestData with everything the runner needs; a
+continuing one as CachedRequestData with only its new block ids and num_computed_tokens. The
+runner keeps each request's tokens itself and returns a list of sampled tokens per request (one,
+or with draft tokens to verify, the accepted ones and a bonus token).
+
 Async scheduling (vLLM's num_output_placeholders): a grant that samples leaves one placeholder
 on the request until update_from_output() brings the token. The engine may call schedule() for
 step N+1 before step N's tokens are in: a request whose last token is such a placeholder is then
@@ -28,36 +34,59 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 
-PLACEHOLDER_TOKEN_ID = -1  # in ScheduledRequest.token_ids: sampled by the step still in flight
+PLACEHOLDER_TOKEN_ID = -1  # a token sampled by a step still in flight (the runner fills it in)
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    """What one request contributes to a step."""
+class NewRequestData:
+    """A request the runner has no state for (newly admitted, or resumed after preemption): all
+    it needs, sent once."""
     request_id: str
-    token_ids: list[int]  # the tokens computed this step; a placeholder may end them
-    num_computed_tokens: int  # position of token_ids[0]
-    num_prompt_tokens: int
-    num_output_tokens: int  # before the token this grant samples (placeholders included)
-    # The ids this grant appended to the request's block table; the whole table when
-    # num_computed_tokens == 0 (a new or recomputed request). The runner keeps each table across
-    # steps and appends these, so no grant carries a whole table (as vLLM V1's cached requests;
-    # copying 256 tables took ~100 us of a step's host time).
-    new_block_ids: list[int]
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # known outputs: a resumed request recomputes them
     sampling_params: SamplingParams
-    samples: bool  # this grant reaches the last known token, so the step yields a new one
-    next_token_id: int  # the known token after token_ids (-1 if none): prompt logprobs need it
-    # The request itself: its sampled token goes to this object only, never to a later request
-    # that reuses the id after this one finished.
-    request: Request
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed since its last step."""
+    request_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int  # before this step
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # batch order: running requests, then newly admitted
-    num_scheduled_tokens: int
-    finished_request_ids: set[str]  # finished or aborted since the previous schedule()
-    preempted_request_ids: set[str]
+    """One step's work, vLLM V1's contract. Batch order: cached requests, then new ones."""
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # per request, draft tokens included
+    total_num_scheduled_tokens: int
+    # Draft tokens to verify, per request that has any: they follow its last token in the step.
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    finished_req_ids: set[str]  # finished or aborted since the previous schedule()
+    preempted_req_ids: set[str]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled_new_reqs) + len(self.scheduled_cached_reqs)
+
+    @property
+    def req_ids(self) -> list[str]:
+        """The scheduled requests in batch order."""
+        return ([r.request_id for r in self.scheduled_cached_reqs]
+                + [r.request_id for r in self.scheduled_new_reqs])
+
+
+@dataclass(slots=True)
+class _Grant:
+    """The scheduler's own record of a grant, kept until the step's results come back. It holds
+    the request object, so a late token never reaches a later request that reuses the id."""
+    request: Request
+    samples: bool  # the grant reaches the last known token, so the step yields new ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +110,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest admission first; preemption takes the last
         self.finished_req_ids: set[str] = set()  # since the previous schedule()
+        self._step_id = 0
+        self._grants: dict[int, list[_Grant]] = {}  # step id -> its grants, until its results
         self.num_preemptions_total = 0
 
     # ---- requests in and out ----
@@ -142,7 +173,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_scheduled: dict[str, int] = {}
+        grants: list[_Grant] = []
         preempted_ids: set[str] = set()
         running = self.running
 
@@ -156,7 +190,9 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted_ids)
             if new_block_ids is None:
                 break
-            scheduled.append(self._grant(request, num_new_tokens, new_block_ids))
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
+                                                 request.num_computed_tokens))
+            grants.append(self._grant(request, num_new_tokens, num_scheduled))
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -173,12 +209,19 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             running.append(request)
-            scheduled.append(self._grant(request, num_new_tokens, new_block_ids))
+            new_reqs.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, request.output_token_ids.copy(),
+                request.sampling_params, new_block_ids, request.num_computed_tokens))
+            grants.append(self._grant(request, num_new_tokens, num_scheduled))
             token_budget -= num_new_tokens
 
         finished_ids, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - token_budget,
-                               finished_ids, preempted_ids)
+        self._step_id += 1
+        if grants:
+            self._grants[self._step_id] = grants
+        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, num_scheduled,
+                               self.max_num_batched_tokens - token_budget, {}, finished_ids,
+                               preempted_ids)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         if request.num_output_placeholders and self._length_capped(
@@ -216,45 +259,35 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _grant(self, request: Request, num_new_tokens: int,
-               new_block_ids: list[int]) -> ScheduledRequest:
-        """Describes the grant and advances num_computed_tokens past it (as vLLM); a grant that
+               num_scheduled: dict[str, int]) -> _Grant:
+        """Records the grant and advances num_computed_tokens past it (as vLLM); a grant that
         samples adds a placeholder for its token."""
-        start = request.num_computed_tokens
-        end = start + num_new_tokens
-        request.num_computed_tokens = end
-        all_token_ids = request.all_token_ids  # len() directly: this runs per request per step
-        num_tokens = len(all_token_ids)
-        num_placeholders = request.num_output_placeholders
-        token_ids = all_token_ids[start:end]
-        if end > num_tokens:
-            token_ids += [PLACEHOLDER_TOKEN_ID] * (end - max(start, num_tokens))
-        samples = end == num_tokens + num_placeholders
+        num_scheduled[request.request_id] = num_new_tokens
+        request.num_computed_tokens += num_new_tokens
+        samples = request.num_computed_tokens == request.num_tokens_with_placeholders
         request.num_output_placeholders += samples
-        return ScheduledRequest(
-            request.request_id, token_ids, start, len(request.prompt_token_ids),
-            len(request.output_token_ids) + num_placeholders, new_block_ids,
-            request.sampling_params, samples, all_token_ids[end] if end < num_tokens else -1,
-            request)
+        return _Grant(request, samples)
 
     # ---- results ----
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Replaces each sampling request's oldest placeholder with its new token and finishes
-        those that hit a stop; returns the requests that got a token, finished ones included.
-        A request preempted after this step was launched still gets its token."""
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Replaces each sampling request's oldest placeholder with its new tokens and finishes
+        those that hit a stop; returns the requests that got tokens, finished ones included.
+        A request preempted after this step was launched still gets its tokens."""
         updated: list[Request] = []
         any_finished = False
-        for sched in scheduler_output.scheduled:
-            if not sched.samples:
-                continue
-            request = sched.request
-            if request.is_finished():  # finished or aborted since it was scheduled
+        for grant in self._grants.pop(scheduler_output.step_id, ()):
+            request = grant.request
+            if not grant.samples or request.is_finished():  # finished or aborted meanwhile
                 continue
             request.num_output_placeholders -= 1
-            request.append_output_token_id(sampled_token_ids[sched.request_id])
             was_preempted = request.status == RequestStatus.PREEMPTED
-            if self._check_stop(request):
+            for token_id in sampled_token_ids[request.request_id]:
+                request.append_output_token_id(token_id)
+                if self._check_stop(request):
+                    break
+            if request.is_finished():
                 if was_preempted:
                     self.waiting.remove(request)
                 self._free_request(request)

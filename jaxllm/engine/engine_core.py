@@ -180,11 +180,11 @@ class EngineCore:
         one, or with async scheduling the one launched by the previous call."""
         scheduler_output = self.scheduler.schedule()
         launched = None
-        if scheduler_output.scheduled:
+        if scheduler_output.num_reqs:
             launched = (scheduler_output, self.runner.launch(scheduler_output))
         else:
-            self.runner.release(scheduler_output.finished_request_ids
-                                | scheduler_output.preempted_request_ids)
+            self.runner.release(scheduler_output.finished_req_ids
+                                | scheduler_output.preempted_req_ids)
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         return self._process(*launched) if launched else []
@@ -196,7 +196,7 @@ class EngineCore:
         if result.prompt_logprobs:
             self.output_processor.record_prompt_logprobs(result.prompt_logprobs)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
-        self.generation_tokens_total += len(updated)
+        self.generation_tokens_total += sum(map(len, result.sampled_token_ids.values()))
         outputs, stopped = self.output_processor.process(updated, result.logprobs)
         if stopped:
             self.scheduler.finish_requests([r.request_id for r in stopped],

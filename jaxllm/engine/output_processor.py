@@ -20,6 +20,7 @@ class ChildState:
     logprobs: list | None  # SampleLogprobs when asked
     cumulative_logprob: float | None
     completion: CompletionOutput | None = None
+    num_output_tokens: int = 0  # of the request's outputs, those already processed
 
 
 @dataclass
@@ -64,7 +65,9 @@ class OutputProcessor:
 
     def process(self, updated: list[Request], logprobs: dict) -> tuple[list[RequestOutput],
                                                                       list[Request]]:
-        """Returns the outputs, and the requests a stop string finished (the engine frees them)."""
+        """updated: the requests that got tokens this step; logprobs: request id -> one entry
+        per new token. Returns the outputs, and the requests a stop string finished (the engine
+        frees them)."""
         stopped_by_string, touched = [], {}
         for request in updated:
             parent_id = self.parent_of.get(request.request_id)
@@ -72,16 +75,17 @@ class OutputProcessor:
                 continue
             parent = self.parents[parent_id]
             child = parent.children[request.request_id]
-            new_token = request.output_token_ids[-1]
+            new_tokens = request.output_token_ids[child.num_output_tokens:]
+            child.num_output_tokens = request.num_output_tokens
             # EOS or a stop token id ended it: the detokenizer leaves that token's text out.
             stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
-            stop_str = (child.detokenizer.update([new_token], stop_terminated)
+            stop_str = (child.detokenizer.update(new_tokens, stop_terminated)
                         if child.detokenizer else None)
             if stop_str is not None and not request.is_finished():
                 request.stop_reason = stop_str
                 stopped_by_string.append(request)
-            if request.request_id in logprobs:
-                self._append_logprobs(child, new_token, logprobs[request.request_id])
+            for token, entry in zip(new_tokens, logprobs.get(request.request_id, ())):
+                self._append_logprobs(child, token, entry)
             finish_reason = "stop" if stop_str is not None else request.get_finished_reason()
             text = (child.detokenizer.get_next_output_text(finish_reason is not None, delta=False)
                     if child.detokenizer else "")

@@ -14,6 +14,7 @@ its threshold.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import jax
@@ -25,10 +26,17 @@ from jaxllm.sample.penalties import (PenaltyState, apply_penalties, init_penalty
                                      record_tokens)
 
 # The runner's whole interface, importable from this one module.
-__all__ = ["SamplerOutput", "SamplingMetadata", "PenaltyState", "build_sampling_metadata",
+__all__ = ["SamplerOutput", "SamplerStages", "SamplingMetadata", "PenaltyState", "build_sampling_metadata",
            "init_penalty_state", "record_tokens", "sample", "gather_logprobs"]
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as vLLM
+
+
+class SamplerStages(enum.StrEnum):
+    """Which optional stages a sampler program runs, and how (see sample())."""
+    COND = "cond"
+    ALL = "all"
+    PLAIN = "plain"
 
 
 @jax.tree_util.register_dataclass
@@ -39,7 +47,7 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
-           seq_rows: jax.Array, stages: str = "cond") -> SamplerOutput:
+           seq_rows: jax.Array, stages: SamplerStages = SamplerStages.COND) -> SamplerOutput:
     """logits [S, V] f32 (one row per sequence), seq_rows [S] i32: each sequence's penalty row.
 
     stages (static): "cond" runs each optional stage (penalties, the random draw, top-k/top-p,
@@ -49,8 +57,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
     runner picks one of the two per batch). A stage leaves rows that do not use it unchanged,
     so the three draw the same tokens.
     """
-    if stages not in ("cond", "all", "plain"):
-        raise ValueError(f"stages must be cond, all or plain, got {stages!r}")
+    stages = SamplerStages(stages)
     logits = logits.astype(jnp.float32)
     raw_logits = logits
     penalize = lambda x: apply_penalties(x, state, seq_rows, md.presence_penalty,  # noqa: E731
@@ -73,7 +80,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
-def _sample_random(logits: jax.Array, md: SamplingMetadata, stages: str) -> jax.Array:
+def _sample_random(logits: jax.Array, md: SamplingMetadata,
+                   stages: SamplerStages) -> jax.Array:
     temperature = jnp.where(md.temperature < _SAMPLING_EPS, 1.0, md.temperature)
     logits = apply_min_p(logits / temperature[:, None], md.min_p)
     top_k_top_p = lambda x: apply_top_k_top_p(x, md.top_k, md.top_p)  # noqa: E731

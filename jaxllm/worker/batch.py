@@ -26,32 +26,6 @@ class SeqChunk:
     block_ids: list[int] | None = None  # the whole block table (unless passed as block_tables)
 
 
-class BlockTables:
-    """Block tables kept per row across steps, so a step copies only the blocks its grants
-    added instead of every sequence's whole table (most decode steps add none)."""
-
-    def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
-        self.table = np.zeros((num_rows, max_blocks_per_seq), np.int32)  # [R, B]
-        self.num_blocks = np.zeros(num_rows, np.int32)  # [R]
-
-    def record_grants(self, rows, scheduled) -> None:
-        """Appends each grant's new_block_ids to its row; a grant from position 0 (a new or
-        recomputed request) starts its row over with them."""
-        for row, s in zip(rows, scheduled):
-            restart = s.num_computed_tokens == 0
-            if not (s.new_block_ids or restart):
-                continue  # most decode grants add no block
-            start = 0 if restart else int(self.num_blocks[row])
-            self.table[row, start:start + len(s.new_block_ids)] = s.new_block_ids
-            self.num_blocks[row] = start + len(s.new_block_ids)
-
-    def gather(self, rows: np.ndarray, num_seqs_padded: int) -> np.ndarray:
-        """[S, B]: the tables of `rows`, then zero rows for padding sequences."""
-        out = np.zeros((num_seqs_padded, self.table.shape[1]), np.int32)
-        out[:len(rows)] = self.table[rows]
-        return out
-
-
 def build_step_batch(chunks: list[SeqChunk], num_tokens_padded: int, num_seqs_padded: int,
                      max_blocks_per_seq: int, block_size: int,
                      block_tables: np.ndarray | None = None) -> StepBatch:
