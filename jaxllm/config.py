@@ -2,28 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # a local directory (HF layout), a .gguf file, or a dummy preset name
+    model: str  # the resolved model: an HF-layout directory, or a dummy preset name
+    hf_config: dict = field(compare=False, repr=False)  # its config.json (or the preset)
+    max_model_len: int = 2048  # validated against the model's max_position_embeddings
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    max_model_len: int | None = None  # None: from the model's config
     seed: int = 0
-    load_format: str = "auto"  # auto | dummy
-    tokenizer: str | None = None
-    served_model_name: str | None = None
+    tokenizer: str | None = None  # a directory; None: the model's
+    served_model_name: str = DEFAULT_MODEL_NAME
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        derived = self.hf_config.get("max_position_embeddings", 2048)
+        if self.max_model_len > derived:
+            raise ValueError(
+                f"User-specified max_model_len ({self.max_model_len}) is greater than the derived "
+                f"max_model_len (max_position_embeddings={derived} in the model's config).")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    load_format: str = "auto"  # auto (the checkpoint's weights) | dummy (random weights)
+
+    def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
 
 
 @dataclass(frozen=True)
@@ -87,8 +100,7 @@ class RunnerConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxllm/jit"  # None disables the persistent cache
     enforce_eager: bool = False  # skip warm-up (tests that do not care about compile time)
     # Launch step N+1 before fetching step N's tokens (vLLM's async scheduling), so the host's
-    # work between steps overlaps the device's: on an H200 the 8B shape's batch-1 decode step
-    # went from 7.50 to 5.07 ms (docs/benchmarks.md). Exact: tests/test_engine.py runs both.
+    # work between steps overlaps the device's. Exact: tests/test_engine.py runs both.
     async_scheduling: bool = True
     # No lax.cond in a step (on a GPU each one stalls the host until the device reaches it):
     # two programs per bucket, "plain" (no top-k/top-p, no logprobs) and "all", and prompt
@@ -104,8 +116,12 @@ class RunnerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every concern's config, built and validated once before loading and passed down (vLLM's
+    VllmConfig). The configs of LoRA, speculative decoding, quantization and pooling join here
+    as those features land."""
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    load_config: LoadConfig
     runner_config: RunnerConfig

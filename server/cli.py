@@ -50,7 +50,7 @@ def load_chat_template(value: str | None) -> str | None:
 def build_serving(args: argparse.Namespace):
     """Loads and warms up the engine, then returns the app's serving state."""
     from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.engine.dp_engine import make_engine
+    from jaxllm.engine.builder import make_engine
     from jaxllm.server.metrics import ServerMetrics
     from jaxllm.server.serving import OpenAIServing
 

@@ -276,7 +276,7 @@ def test_bad_sampling_params(kwargs, match):
 
 def test_attention_backend_names():
     from jaxllm.config import RunnerConfig
-    from jaxllm.engine.engine_core import _attention_backend
+    from jaxllm.models.attention import attention_backend as _attention_backend
     for name in ("auto", "pallas", "triton", "mosaic", "xla"):
         RunnerConfig(attention_backend=name)
     with pytest.raises(ValueError, match="auto, pallas, triton, mosaic or xla"):

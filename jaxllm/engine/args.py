@@ -7,8 +7,9 @@ from dataclasses import dataclass, fields
 
 import jax
 
-from jaxllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig,
-                           SchedulerConfig)
+from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
+                           ParallelConfig, RunnerConfig, SchedulerConfig)
+from jaxllm.loader.loader import read_hf_config, resolve_model_path
 
 
 @dataclass
@@ -37,21 +38,20 @@ class EngineArgs:
     async_scheduling: bool = True
     lean_steps: bool | None = None  # None: on a GPU (RunnerConfig)
 
-    def create_engine_config(self, model_max_len: int) -> EngineConfig:
-        """model_max_len: the model's own limit (max_position_embeddings), known after loading."""
-        max_model_len = self.max_model_len or model_max_len
-        if max_model_len > model_max_len:
-            raise ValueError(
-                f"User-specified max_model_len ({max_model_len}) is greater than the derived "
-                f"max_model_len (max_position_embeddings={model_max_len} in the model's config).")
+    def create_engine_config(self) -> EngineConfig:
+        """Resolves the model (the default model and GGUF files are converted once into the
+        cache), reads its config and validates every setting: before any weight is loaded."""
+        model_path = resolve_model_path(self.model, self.load_format)
+        hf_config = read_hf_config(model_path, self.load_format)
+        max_model_len = self.max_model_len or hf_config.get("max_position_embeddings", 2048)
         default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
                                                                     self.max_num_seqs)
         return EngineConfig(
             model_config=ModelConfig(
-                model=self.model or "", dtype=self.dtype, max_model_len=max_model_len,
-                seed=self.seed, load_format=self.load_format, tokenizer=self.tokenizer,
-                served_model_name=self.served_model_name),
+                model=model_path, hf_config=hf_config, max_model_len=max_model_len,
+                dtype=self.dtype, seed=self.seed, tokenizer=self.tokenizer,
+                served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -63,6 +63,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel),
+            load_config=LoadConfig(load_format=self.load_format),
             runner_config=RunnerConfig(
                 attention_backend=self.attention_backend,
                 compilation_cache_dir=self.compilation_cache_dir,

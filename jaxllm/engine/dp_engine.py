@@ -1,6 +1,7 @@
 """Data parallelism: DP engine replicas, each an EngineCore with its own KV pool and scheduler on
 its own [1, TP] row of the mesh, behind one front end with EngineCore's interface. (MoE models
-with expert parallelism instead get DP attention: see make_engine and core/dp_scheduler.py.)
+with expert parallelism instead get DP attention: see builder.make_engine and
+core/dp_scheduler.py.)
 
 A new request goes to the replica with the fewest unfinished requests (ties: lowest rank); its
 children (n > 1) stay together, so prefix blocks and seeds behave as on one engine. `step()`
@@ -13,52 +14,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
-from jaxllm.config import ParallelConfig
-from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.engine_core import EngineCore
+from jaxllm.config import EngineConfig
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sharding.mesh import make_mesh, replica_meshes
-from jaxllm.engine.model_setup import peek_model_args
 
 logger = logging.getLogger("jaxllm")
 
 
-def make_engine(engine_args: EngineArgs, log=logger.info):
-    """An EngineCore; with data_parallel_size > 1 a DPEngine, except for an MoE model with
-    enable_expert_parallel: then vLLM's DP attention, one EngineCore over the whole [DP, TP]
-    mesh (attention per DP rank, experts split over all DP x TP devices)."""
-    if engine_args.data_parallel_size == 1:
-        return EngineCore(engine_args, log)
-    if engine_args.enable_expert_parallel and _has_experts(engine_args):
-        mesh = make_mesh(ParallelConfig(engine_args.tensor_parallel_size,
-                                        engine_args.data_parallel_size, True))
-        log(f"DP attention: {engine_args.data_parallel_size} DP ranks step together, experts "
-            f"split over all {mesh.size} devices (expert parallel size {mesh.size})")
-        return EngineCore(engine_args, log, mesh=mesh)
-    return DPEngine(engine_args, log)
-
-
-def _has_experts(engine_args: EngineArgs) -> bool:
-    args = peek_model_args(engine_args.model, engine_args.load_format)
-    return bool(args is not None and args.num_experts)
-
-
 class DPEngine:
-    def __init__(self, engine_args: EngineArgs, log=logger.info) -> None:
-        mesh = make_mesh(ParallelConfig(engine_args.tensor_parallel_size,
-                                        engine_args.data_parallel_size,
-                                        engine_args.enable_expert_parallel))
-        replica_args = dataclasses.replace(engine_args, data_parallel_size=1)
+    def __init__(self, config: EngineConfig, build_engine_core: Callable,
+                 log=logger.info) -> None:
+        """build_engine_core(config, log, mesh) -> EngineCore builds each replica."""
+        mesh = make_mesh(config.parallel_config)
+        replica_config = dataclasses.replace(config, parallel_config=dataclasses.replace(
+            config.parallel_config, data_parallel_size=1))
         self.replicas = []
         for rank, replica_mesh in enumerate(replica_meshes(mesh)):
             log(f"DP rank {rank}: devices {[d.id for d in replica_mesh.devices.flat]}")
-            self.replicas.append(EngineCore(replica_args, log, mesh=replica_mesh))
+            self.replicas.append(build_engine_core(replica_config, log, replica_mesh))
         first = self.replicas[0]
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.model_name, self.eos_token_ids = first.model_name, first.eos_token_ids
-        self.vocab_size, self.config = first.vocab_size, first.config
+        self.vocab_size, self.config = first.vocab_size, config
         self._replica_of: dict[str, int] = {}  # unfinished request id -> DP rank
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas))
 
@@ -84,7 +64,7 @@ class DPEngine:
 
     def step(self) -> list[RequestOutput]:
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
-        outputs = [out for outs in self._pool.map(EngineCore.step, busy) for out in outs]
+        outputs = [out for outs in self._pool.map(lambda r: r.step(), busy) for out in outs]
         for out in outputs:
             if out.finished:
                 self._replica_of.pop(out.request_id, None)

@@ -10,118 +10,45 @@ them, and the device runs steps in launch order.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-import os
 
-import jax
 import numpy as np
 
+from jaxllm.config import EngineConfig
 from jaxllm.core.dp_scheduler import DPScheduler
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler, SchedulerOutput
-from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.output_processor import OutputProcessor, child_request_id
 from jaxllm.outputs import RequestOutput
 from jaxllm.sample.metadata import check_min_tokens_stop_ids
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.worker import kv_cache
 from jaxllm.worker.model_runner import LaunchedStep, ModelRunner
-from pallas_kernels import kv_write, ragged_paged_attention
-from jaxllm.engine.model_setup import engine_mesh, load_for_engine
 
 logger = logging.getLogger("jaxllm")
 
 
-def _attention_backend(name: str):
-    """-> (attention, KV write). pallas: the Triton kernel, and the Mosaic GPU one for prefill
-    buckets on Hopper; triton / mosaic: that kernel for every bucket; xla: the jnp reference."""
-    if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if name == "xla":
-        return ragged_paged_attention.ragged_paged_attention_reference, kv_write.write_kv_reference
-    implementation = None if name == "pallas" else name
-    return (functools.partial(ragged_paged_attention.ragged_paged_attention,
-                              implementation=implementation), kv_write.write_kv)
-
-
-def _enable_compilation_cache(path: str | None) -> None:
-    if path:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 class EngineCore:
-    def __init__(self, engine_args: EngineArgs, log=logger.info, mesh=None) -> None:
-        _enable_compilation_cache(engine_args.compilation_cache_dir)
-        attn, write_kv = _attention_backend(engine_args.attention_backend)
-        # TP (and EP within it) runs on `mesh`; DP replicas each get their own (dp_engine.py).
-        # A mesh with DP > 1 rows is DP attention: one scheduler and KV pool per rank, one step.
-        mesh = mesh if mesh is not None else engine_mesh(engine_args)
-        self.dp_size = 1 if mesh is None else mesh.shape["data"]
-        sharded = load_for_engine(engine_args, mesh, attn, write_kv)
-        loaded = sharded.loaded
-        self.config = config = engine_args.create_engine_config(loaded.max_model_len)
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = set(loaded.eos_token_ids)
-        self.vocab_size = loaded.args.vocab_size
-        self.max_model_len = config.scheduler_config.max_model_len
-        self.model_name = (engine_args.served_model_name or engine_args.model
-                           or "SmolLM2-135M-Instruct")
-        self._seed_rng = np.random.default_rng(engine_args.seed)
+    """Built by jaxllm/engine/builder.py: the model loaded, the KV cache sized, warmed up."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, schedulers: list[Scheduler],
+                 tokenizer, eos_token_ids: set[int], vocab_size: int, num_blocks: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler_ranks = schedulers  # one per DP rank (DP attention), else one
+        self.scheduler = schedulers[0] if len(schedulers) == 1 else DPScheduler(schedulers)
+        self.dp_size = len(schedulers)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.num_blocks = num_blocks  # per DP rank
+        self.max_model_len = config.model_config.max_model_len
+        self.model_name = config.model_config.served_model_name
+        self.async_scheduling = config.runner_config.async_scheduling
+        self.output_processor = OutputProcessor(tokenizer)
+        self._seed_rng = np.random.default_rng(config.model_config.seed)
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-
-        model_fn = sharded.model_fn
-        cache_config, sched = config.cache_config, config.scheduler_config
-        args = sharded.args  # KV heads as the cache holds them
-        # Per device: the cache is split by KV head over the TP devices.
-        layout = (args.num_layers, cache_config.block_size, args.num_kv_heads // sharded.tp,
-                  args.head_dim)
-        dtype = jax.tree.leaves(loaded.params)[0].dtype
-        block_bytes = kv_cache.bytes_per_block(*layout, dtype)
-
-        def make_runner(num_blocks: int) -> ModelRunner:
-            caches = kv_cache.allocate_kv_caches(args.num_layers, self.dp_size * num_blocks,
-                                                 cache_config.block_size, args.num_kv_heads,
-                                                 args.head_dim, dtype,
-                                                 sharded.kv_cache_sharding)
-            return ModelRunner(model_fn, loaded.params, caches, vocab_size=args.vocab_size,
-                               block_size=cache_config.block_size,
-                               max_model_len=self.max_model_len,
-                               max_num_seqs=sched.max_num_seqs,
-                               max_num_batched_tokens=sched.max_num_batched_tokens,
-                               dp_size=self.dp_size,
-                               lean_steps=config.runner_config.lean_steps)
-
-        self.num_blocks = cache_config.num_gpu_blocks_override
-        if self.num_blocks is None:
-            self.num_blocks = self._measure_num_blocks(make_runner, block_bytes)
-        kv_cache.check_fits(self.num_blocks, cache_config.block_size, self.max_model_len,
-                            block_bytes)
-        log(f"KV cache: {self.num_blocks} blocks of {cache_config.block_size} tokens "
-            f"({self.num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
-            + (f" per DP rank, {self.dp_size} ranks" if self.dp_size > 1 else ""))
-        self.runner = make_runner(self.num_blocks)
-        self.scheduler_ranks = [Scheduler(sched, cache_config, self.num_blocks)
-                                for _ in range(self.dp_size)]
-        self.scheduler = (self.scheduler_ranks[0] if self.dp_size == 1
-                          else DPScheduler(self.scheduler_ranks))
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.async_scheduling = config.runner_config.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        if not config.runner_config.enforce_eager:
-            self.runner.warmup(progress=log)
-
-    def _measure_num_blocks(self, make_runner, block_bytes: int) -> int:
-        cache_config = self.config.cache_config
-        if kv_cache.device_memory_limit() is None:  # CPU: a fixed budget, nothing to profile
-            return max(cache_config.cpu_kv_cache_bytes // block_bytes, 0)
-        probe = make_runner(2)
-        available = kv_cache.device_memory_available(cache_config.gpu_memory_utilization,
-                                                     probe.activation_bytes())
-        del probe
-        return max(int(available // block_bytes), 0)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

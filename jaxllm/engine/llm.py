@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.dp_engine import make_engine
+from jaxllm.engine.builder import make_engine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 

@@ -1,20 +1,18 @@
-"""What an EngineCore needs to run on a mesh: the model loaded shard by shard, the step's model
-function and the KV cache sharding (used by EngineCore)."""
+"""The model an EngineCore runs, on its mesh: the weights loaded shard by shard, the step's model
+function (attention backend bound) and the KV cache sharding."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from functools import partial
 from typing import Callable
 
 from jax.sharding import Mesh
 
-from jaxllm.config import ParallelConfig
+from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
 from jaxllm.models import ModelArgs, forward, fuse_params
-from jaxllm.models.presets import PRESETS
+from jaxllm.models.attention import attention_backend
 from jaxllm.sharding.mesh import make_mesh, validate_model_parallelism
 from jaxllm.sharding.rules import ShardingPlan
 
@@ -28,48 +26,34 @@ class ShardedModel:
     tp: int = 1
 
 
-def engine_mesh(engine_args) -> Mesh | None:
+def engine_mesh(config: EngineConfig) -> Mesh | None:
     """The mesh of one engine replica ([1, TP]); None for a single device."""
-    if engine_args.tensor_parallel_size == 1:
+    parallel = config.parallel_config
+    if parallel.tensor_parallel_size == 1:
         return None
-    return make_mesh(ParallelConfig(engine_args.tensor_parallel_size, 1,
-                                    engine_args.enable_expert_parallel))
+    return make_mesh(dataclasses.replace(parallel, data_parallel_size=1))
 
 
-def peek_model_args(model: str | None, load_format: str) -> ModelArgs | None:
-    """ModelArgs from a preset or config.json without loading weights (None if unknown yet)."""
-    if load_format == "dummy" and model in PRESETS:
-        return ModelArgs.from_hf_config(PRESETS[model])
-    config = os.path.join(model, "config.json") if model else ""
-    if not os.path.isfile(config):
-        return None
-    with open(config) as f:
-        return ModelArgs.from_hf_config(json.load(f))
-
-
-def load_for_engine(engine_args, mesh: Mesh | None, attn: Callable,
-                    write_kv: Callable) -> ShardedModel:
-    """Loads the model onto `mesh` (each device reading only its shards where the config is known
-    up front), fuses its projections into the compute layout (jaxllm/models/fused.py) and binds
-    forward to the sharded args, attention and KV write."""
-    load = partial(load_model, engine_args.model, engine_args.dtype, engine_args.load_format,
-                   engine_args.seed, tokenizer=engine_args.tokenizer)
+def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
+    """Loads the model onto `mesh` (each device reading only its shards), fuses its projections
+    into the compute layout (jaxllm/models/fused.py) and binds forward to the sharded args, the
+    attention backend and the KV write."""
+    model = config.model_config
+    attn, write_kv = attention_backend(config.runner_config.attention_backend)
+    load = partial(load_model, model.model, model.dtype, config.load_config.load_format,
+                   model.seed, tokenizer=model.tokenizer)
     if mesh is None:
         loaded = load()
         loaded.params = fuse_params(loaded.params, loaded.args.num_kv_heads, free_inputs=True)
         return ShardedModel(loaded, loaded.args, partial(forward, args=loaded.args, attn=attn,
                                                          write_kv=write_kv), None)
-    parallel = ParallelConfig(mesh.shape["tensor"], mesh.shape["data"],
-                              engine_args.enable_expert_parallel)
-    args = peek_model_args(engine_args.model, engine_args.load_format)
-    plan = None
-    if args is not None:
-        validate_model_parallelism(args, parallel)
-        plan = ShardingPlan(mesh, args, engine_args.enable_expert_parallel)
-    loaded = load(shardings=plan.param_sharding if plan else None)
-    if plan is None:  # e.g. the default GGUF model: loaded on one device, then re-placed
-        validate_model_parallelism(loaded.args, parallel)
-        plan = ShardingPlan(mesh, loaded.args, engine_args.enable_expert_parallel)
+    expert_parallel = config.parallel_config.enable_expert_parallel
+    parallel = dataclasses.replace(config.parallel_config, tensor_parallel_size=mesh.shape["tensor"],
+                                   data_parallel_size=mesh.shape["data"])
+    args = ModelArgs.from_hf_config(model.hf_config)
+    validate_model_parallelism(args, parallel)
+    plan = ShardingPlan(mesh, args, expert_parallel)
+    loaded = load(shardings=plan.param_sharding)
     loaded.params = fuse_params(plan.shard_params(loaded.params), plan.model_args.num_kv_heads,
                                 plan.param_sharding, free_inputs=True)
     return ShardedModel(loaded, plan.model_args, plan.model_fn(forward, attn, write_kv),

@@ -47,28 +47,43 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
     return jnp.dtype(_DTYPES[dtype])
 
 
+def resolve_model_path(model: str | None, load_format: str = "auto") -> str:
+    """The directory (or dummy preset name) `model` loads from: None is the default model and a
+    .gguf file its converted HF directory (both made once into the cache)."""
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}.")
+    if model is None:
+        from jaxllm.loader.default_model import default_model_dir
+        return default_model_dir()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from jaxllm.loader.default_model import converted_gguf_dir
+        return converted_gguf_dir(model)
+    if load_format == "dummy" and model in PRESETS:
+        return model
+    if not os.path.isdir(model):
+        raise ValueError(f"Model path {model!r} does not exist (or is not a directory). Pass a "
+                         f"local HF model directory, a .gguf file, or with load_format='dummy' "
+                         f"one of the presets {sorted(PRESETS)}.")
+    return model
+
+
+def read_hf_config(model_path: str, load_format: str = "auto") -> dict:
+    """The HF config of a resolved model path (a preset's, with load_format='dummy')."""
+    if load_format == "dummy" and model_path in PRESETS:
+        return PRESETS[model_path]
+    return _read_json(os.path.join(model_path, "config.json"), required=True)
+
+
 def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
                shardings: Shardings | None = None, tokenizer: str | None = None) -> LoadedModel:
     """model: a local HF directory, an Orbax checkpoint directory (`jaxllm convert`), a
     Llama-architecture .gguf file (converted once into the cache), a preset name (dummy only), or
     None for the default model."""
-    if load_format not in _LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}.")
-    if model is None:
-        from jaxllm.loader.default_model import default_model_dir
-        model = default_model_dir()
-    elif model.endswith(".gguf") and os.path.isfile(model):
-        from jaxllm.loader.default_model import converted_gguf_dir
-        model = converted_gguf_dir(model)
-
+    model = resolve_model_path(model, load_format)
     target = resolve_dtype(dtype)
     if load_format == "dummy" and model in PRESETS:
         return _dummy_preset(model, target, seed, shardings)
-    if not os.path.isdir(model):
-        raise ValueError(f"Model path {model!r} does not exist (or is not a directory). Pass a "
-                         f"local HF model directory, a .gguf file, or with load_format='dummy' "
-                         f"one of the presets {sorted(PRESETS)}.")
-    hf_config = _read_json(os.path.join(model, "config.json"), required=True)
+    hf_config = read_hf_config(model)
     args = ModelArgs.from_hf_config(hf_config)
     if load_format == "dummy":
         params = dummy_params(args, target, seed, shardings)

@@ -1,0 +1,111 @@
+"""Builds engines from an EngineConfig: the model loaded onto its mesh, the KV cache sized from
+the memory left, the runner warmed up; and which engine a parallel layout needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+
+from jaxllm.config import EngineConfig
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.dp_engine import DPEngine
+from jaxllm.engine.engine_core import EngineCore
+from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
+from jaxllm.models import ModelArgs
+from jaxllm.sharding.mesh import make_mesh
+from jaxllm.worker import kv_cache
+from jaxllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("jaxllm")
+
+
+def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
+    """An EngineCore; with data_parallel_size > 1 a DPEngine of replicas, except for an MoE
+    model with enable_expert_parallel: then vLLM's DP attention, one EngineCore over the whole
+    [DP, TP] mesh (attention per DP rank, experts split over all DP x TP devices)."""
+    config = (engine_args.create_engine_config() if isinstance(engine_args, EngineArgs)
+              else engine_args)
+    parallel = config.parallel_config
+    if parallel.data_parallel_size == 1:
+        return build_engine_core(config, log)
+    if (parallel.enable_expert_parallel
+            and ModelArgs.from_hf_config(config.model_config.hf_config).num_experts):
+        mesh = make_mesh(parallel)
+        log(f"DP attention: {parallel.data_parallel_size} DP ranks step together, experts "
+            f"split over all {mesh.size} devices (expert parallel size {mesh.size})")
+        return build_engine_core(config, log, mesh)
+    return DPEngine(config, build_engine_core, log)
+
+
+def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> EngineCore:
+    """TP (and EP within it) runs on `mesh`; a mesh with DP > 1 rows is DP attention: one
+    scheduler and KV pool per rank, one step."""
+    _enable_compilation_cache(config.runner_config.compilation_cache_dir)
+    mesh = mesh if mesh is not None else engine_mesh(config)
+    dp_size = 1 if mesh is None else mesh.shape["data"]
+    sharded = load_for_engine(config, mesh)
+    num_blocks = config.cache_config.num_gpu_blocks_override
+    block_bytes = _block_bytes(config, sharded)
+    if num_blocks is None:
+        num_blocks = _measure_num_blocks(config, sharded, dp_size, block_bytes)
+    cache = config.cache_config
+    kv_cache.check_fits(num_blocks, cache.block_size, config.model_config.max_model_len,
+                        block_bytes)
+    log(f"KV cache: {num_blocks} blocks of {cache.block_size} tokens "
+        f"({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
+        + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else ""))
+    runner = _make_runner(config, sharded, dp_size, num_blocks)
+    schedulers = [Scheduler(config.scheduler_config, cache, num_blocks) for _ in range(dp_size)]
+    loaded = sharded.loaded
+    core = EngineCore(config, runner, schedulers, loaded.tokenizer, set(loaded.eos_token_ids),
+                      loaded.args.vocab_size, num_blocks)
+    if not config.runner_config.enforce_eager:
+        runner.warmup(progress=log)
+    return core
+
+
+def _block_bytes(config: EngineConfig, sharded: ShardedModel) -> int:
+    """K and V of one block over all layers, per device (the cache splits KV heads over TP)."""
+    args = sharded.args
+    dtype = jax.tree.leaves(sharded.loaded.params)[0].dtype
+    return kv_cache.bytes_per_block(args.num_layers, config.cache_config.block_size,
+                                    args.num_kv_heads // sharded.tp, args.head_dim, dtype)
+
+
+def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
+                 num_blocks: int) -> ModelRunner:
+    args, sched = sharded.args, config.scheduler_config
+    dtype = jax.tree.leaves(sharded.loaded.params)[0].dtype
+    caches = kv_cache.allocate_kv_caches(args.num_layers, dp_size * num_blocks,
+                                         config.cache_config.block_size, args.num_kv_heads,
+                                         args.head_dim, dtype, sharded.kv_cache_sharding)
+    return ModelRunner(sharded.model_fn, sharded.loaded.params, caches,
+                       vocab_size=args.vocab_size, block_size=config.cache_config.block_size,
+                       max_model_len=config.model_config.max_model_len,
+                       max_num_seqs=sched.max_num_seqs,
+                       max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
+                       lean_steps=config.runner_config.lean_steps)
+
+
+def _measure_num_blocks(config: EngineConfig, sharded: ShardedModel, dp_size: int,
+                        block_bytes: int) -> int:
+    """On a GPU: the blocks that fit in the memory gpu_memory_utilization leaves after the
+    weights and a profiled step's activations; on a CPU a fixed budget."""
+    cache = config.cache_config
+    if kv_cache.device_memory_limit() is None:
+        return max(cache.cpu_kv_cache_bytes // block_bytes, 0)
+    probe = _make_runner(config, sharded, dp_size, 2)
+    available = kv_cache.device_memory_available(cache.gpu_memory_utilization,
+                                                 probe.activation_bytes())
+    del probe
+    return max(int(available // block_bytes), 0)
+
+
+def _enable_compilation_cache(path: str | None) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
