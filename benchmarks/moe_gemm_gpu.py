@@ -18,24 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ceilings import time_calls
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768
-
-
-def _time(fn, *args, reps: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps
 
 
 SWEEP = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -61,7 +52,7 @@ def measure(num_tokens: int, sweep: bool) -> dict:
     result = {"tokens": num_tokens, "rows": rows}
 
     def record(name, fn, *args, num_weights=1):
-        seconds = _time(fn, *args)
+        seconds = time_calls(fn, *args)
         result[name] = {"us": round(seconds * 1e6, 1),
                         "tflops": round(num_weights * flops / seconds / 1e12, 1),
                         "weight_gb_s": round(num_weights * touched / seconds / 1e9)}

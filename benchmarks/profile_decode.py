@@ -97,8 +97,8 @@ def main() -> None:
                         help="the engine writes K/V with the Pallas kernel, not the scatter")
     a = parser.parse_args()
     if a.pallas_kv_write:
-        from pallas_kernels import kv_write
-        kv_write.USE_PALLAS = True
+        from pallas_kernels import kv_write  # the A/B: the engine takes write_kv when built
+        kv_write.write_kv = kv_write.write_kv_pallas
     dummy = not os.path.isdir(a.model)
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,

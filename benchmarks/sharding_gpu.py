@@ -9,7 +9,7 @@ Needs two GPUs. Every configuration runs in its own process (a clean device); ea
   offline throughput: NUM_PROMPTS prompts of PROMPT_LEN random tokens, OUTPUT_LEN tokens each
                       (ignore_eos), output tokens / wall time of LLM.generate,
 after a warm-up run of the same shapes (the step compiles on first use: enforce_eager=True).
-Writes OUT/sharding.json and OUT/sharding.md (a table for docs/benchmarks.md).
+Writes OUT/sharding.json and OUT/sharding.md (a table for the lab log, docs/lab/).
 
     python benchmarks/sharding_gpu.py --out DIR [--only NAME]
 """

@@ -7,9 +7,8 @@
    prefill (the Triton and the Mosaic GPU kernel) against cuDNN dense causal flash attention
    and the XLA reference; a mixed batch;
    the KV write (Pallas vs XLA scatter). Writes results.json under --out, prints a table last.
-Timing: n calls unrolled in one jit, each call's output the next call's input (nothing can be
-hoisted or merged), KV pages rotated so small cases miss L2; per call = (t(11) - t(1)) / 10,
-medians of 5 runs, so dispatch overhead cancels.
+Timing: `ceilings.time_chain` (11 and 1 chained calls in one jit, the difference / 10), KV pages
+rotated among disjoint block-table copies so that small cases miss L2.
 """
 
 from __future__ import annotations
@@ -19,15 +18,15 @@ import functools
 import json
 import math
 import os
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ceilings import measure_ceilings, time_chain
 from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
-from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
 
@@ -41,34 +40,10 @@ PAGE = 16
 ROTATE_BYTES = 512 << 20  # rotate KV copies until a timed chain touches this much (L2: 60 MB)
 
 
-def time_chain(call, x, *args, donate=False, reps=5):
-    """Seconds per `x = call(x, i, *args)` (i: the call's index, for rotating inputs)."""
-    def chain(n):
-        nonlocal x
-        def run(x, *args):
-            for i in range(n):
-                x = jax.lax.optimization_barrier(call(x, i, *args))
-            return x
-        fn = jax.jit(run, donate_argnums=(0,) if donate else ())
-        x = jax.block_until_ready(fn(x, *args))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            x = jax.block_until_ready(fn(x, *args))
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
-    extra = chain(11) - chain(1)
-    return extra / 10 if extra > 0 else float("nan")  # nan: below the timing's resolution
-
-
 def ceilings():
-    # f32 scale: 4.16 TB/s on the H200 where XLA's bf16 `x + 1` reached only 3.27 TB/s
-    x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.float32)  # 2 GiB
-    copy_s = time_chain(lambda x, i: x * 1.0001, x)
-    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16) / 90.5  # keeps |a| ~ 1
-    mm_s = time_chain(lambda a, i, b: a @ b, a, b)
-    return {"copy_GBps": 2 * x.nbytes / copy_s / 1e9, "matmul_TFLOPs": 2 * 8192 ** 3 / mm_s / 1e12}
+    """The device's copy bandwidth (GB/s) and bf16 matmul rate (TFLOP/s)."""
+    c = measure_ceilings("bfloat16")
+    return {"copy_GBps": c.hbm_bytes_per_s / 1e9, "matmul_TFLOPs": c.matmul_flops_per_s / 1e12}
 
 
 def random_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size=None,
@@ -141,8 +116,7 @@ def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_si
         out = ragged_paged_attention_mgpu(q, k_cache, v_cache, *rest, **kw)
         padding_zero = bool((np.asarray(out[live:], np.float32) == 0).all())
     else:
-        out = ragged_paged_attention(*args, _fill_value=float("nan"), implementation="triton",
-                                     **kw)
+        out = jax.jit(functools.partial(_triton_attention, fill_value=float("nan"), **kw))(*args)
         padding_zero = True
     out, ref = np.asarray(out[:live], np.float32), np.asarray(ref[:live])
     err = rel_err(out, ref) if np.isfinite(out).all() else float("nan")

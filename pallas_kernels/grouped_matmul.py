@@ -2,9 +2,9 @@
 the experts' gate/up pair fused into one pass (`grouped_swiglu`).
 
 Same contract as `jax.lax.ragged_dot(x, w, group_sizes)`: x [M, K] holds the rows of group 0,
-then group 1, ...; w [G, K, N]; rows past sum(group_sizes) come out zero. XLA on the H200 (jax
-0.11.2) lowers ragged_dot as a dense dot over every group, ~100x the useful FLOPs
-(benchmarks/moe_gemm_gpu.py); this kernel does only the useful work.
+then group 1, ...; w [G, K, N]; rows past sum(group_sizes) come out zero. XLA on Hopper (jax
+0.11.2) lowers ragged_dot as a dense dot over every group, all of them multiplied whatever their
+row count (docs/lab/); this kernel does only the useful work.
 
 Work items are (group, row tile) pairs: a tile of `block_m` rows that holds rows of several
 groups is visited once per group, each visit masking to its own rows, so every expert's weights
@@ -120,11 +120,9 @@ def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, *refs, block_m, bl
 
 
 def _block_m(num_rows: int, num_groups: int) -> int:
-    """Rows per tile: about the mean group size (decode: few rows an expert), 16 to 128.
-
-    H200, Qwen3-30B-A3B's up-projection (benchmarks/moe_gemm_gpu.py --sweep, 2026-11-30):
-    128-row tiles with 8 warps beat 64-row ones by 5-7% at 128 and 512 rows an expert.
-    """
+    """Rows per tile: about the mean group size (decode: few rows an expert), 16 to 128 (the
+    tile sweep of benchmarks/moe_gemm_gpu.py --sweep preferred 128 rows with 8 warps once
+    experts get >= 128 rows)."""
     return min(128, max(16, 1 << max(0, (num_rows // max(num_groups, 1) - 1).bit_length())))
 
 
@@ -140,8 +138,8 @@ def _grouped(x, weights, group_sizes, *, block_m: int | None = None, block_n: in
         raise ValueError(f"x {x.shape}, w {[w.shape for w in weights]}, group_sizes "
                          f"{group_sizes.shape}: need x [M, K], w [G, K, N], group_sizes [G]")
     block_m = block_m or _block_m(num_rows, num_groups)
-    # 128 columns also for the fused pass's two accumulators: on an H200 (moe_gemm_gpu.py
-    # --sweep), 128 x 128 tiles with 8 warps beat 128 x 64 by 11-14% at 2048-8192 tokens.
+    # 128 columns also for the fused pass's two accumulators: the sweep's best
+    # (benchmarks/moe_gemm_gpu.py --sweep, docs/lab/).
     block_n = block_n or 128
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     item_group, item_tile, bounds = _work_items(group_sizes, num_rows, block_m)

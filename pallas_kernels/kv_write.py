@@ -25,12 +25,6 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
 # Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into
 # their slots of the flattened cache, which is aliased in place (donate it under jit).
 _BLOCK_TOKENS = 16
-# Which path `write_kv` takes on GPU. Alone the kernel is faster on an H200 (2048 tokens: 10.9
-# us against the scatter's 44.8), but in a whole decode step it measured the same (4.714 against
-# 4.716 ms at batch 1, 9.166 against 9.214 at 64; no cache copy): XLA fuses the rope and the V
-# slice into its scatter and must materialise them for the custom call (docs/benchmarks.md). The
-# engine keeps the scatter; benchmarks/profile_decode.py --pallas-kv-write sets this for the A/B.
-USE_PALLAS = False
 
 
 def _write_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref):
@@ -69,7 +63,7 @@ def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, interpret: bool = F
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """The engine's KV write: the Pallas kernel on GPU when it measured faster, else the scatter."""
-    if USE_PALLAS and jax.default_backend() == "gpu":
-        return write_kv_pallas(k_cache, v_cache, k, v, slot_mapping)
+    """The engine's KV write: the scatter. The Pallas kernel is faster alone, but in a whole step
+    XLA fuses the rope and the V slice into the scatter and must materialise them for a custom
+    call, which cancels the gain (docs/lab/)."""
     return write_kv_reference(k_cache, v_cache, k, v, slot_mapping)

@@ -85,8 +85,15 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
 # window) take the mask.
 # ---------------------------------------------------------------------------------------------
 
-_NUM_SMS = 132  # H200; only sizes the split-KV heuristic
+# Off a GPU (interpret mode, CUDA lowering on a CPU machine) the split heuristic sizes for a
+# Hopper's SM count, so those runs take the paths the GPU takes.
+_HOPPER_NUM_SMS = 132
 _LOG2E = 1.4426950408889634
+
+
+def _num_sms() -> int:
+    """Streaming multiprocessors of the GPU: only sizes the split-KV heuristic."""
+    return getattr(jax.devices()[0], "core_count", None) or _HOPPER_NUM_SMS
 
 
 def _next_pow2(n: int) -> int:
@@ -95,7 +102,7 @@ def _next_pow2(n: int) -> int:
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_splits):
+                      group_pad, block_q, block_k, page_size, num_splits, num_sms):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -125,7 +132,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # and the splits past these find an empty range.
         live_programs = jnp.maximum(num_seqs_ref[0], pl.cdiv(cu_q_lens_ref[num_seqs_ref[0]],
                                                              block_q)) * pl.num_programs(1)
-        splits_used = jnp.clip(pl.cdiv(2 * _NUM_SMS, live_programs), 1, num_splits)
+        splits_used = jnp.clip(pl.cdiv(2 * num_sms, live_programs), 1, num_splits)
         per_split = pl.cdiv(tile_hi - tile_lo, splits_used)
         t0 = tile_lo + split * per_split
         t1 = jnp.minimum(t0 + per_split, tile_hi)
@@ -205,9 +212,9 @@ def _merge_splits(o_split, lse_split):
 def _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles) -> int:
     """Split KV only when too few (sequence, head) programs could fill the GPU: few long decodes.
     The most splits one live sequence would take; the kernel uses fewer when more are live."""
-    if max(max_seqs, pl.cdiv(num_tokens, block_q)) * num_kv_heads >= _NUM_SMS:
+    if max(max_seqs, pl.cdiv(num_tokens, block_q)) * num_kv_heads >= _num_sms():
         return 1
-    return max(1, min(pl.cdiv(2 * _NUM_SMS, num_kv_heads), num_tiles // 4))
+    return max(1, min(pl.cdiv(2 * _num_sms(), num_kv_heads), num_tiles // 4))
 
 
 def _is_hopper() -> bool:
@@ -240,8 +247,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
                            soft_cap: float | None = None, interpret: bool = False,
                            block_q: int | None = None, block_k: int | None = None,
                            num_kv_splits: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, implementation: str | None = None,
-                           _fill_value: float = 0.0):
+                           num_stages: int | None = None, implementation: str | None = None):
     """The Pallas kernel; same contract as `ragged_paged_attention_reference` (module docstring).
 
     Tiles (all optional, static): `block_q` query tokens per program (a power of two; the rows of
@@ -250,7 +256,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     for buckets where fewer programs than SMs may run; each step uses as many as its live
     sequences need to fill the GPU).
     `implementation`: "triton" (this kernel), "mosaic" (ragged_paged_attention_mgpu.py: wgmma
-    and TMA on Hopper, 2x the prefill rate, docs/benchmarks.md) or None: Mosaic for prefill
+    and TMA on Hopper, the faster prefill, docs/benchmarks.md) or None: Mosaic for prefill
     buckets (more tokens than sequences) on a Hopper GPU where it supports the call and no
     Triton tile is given, else Triton.
     Padding rows (past cu_q_lens[num_seqs]) come back zero.
@@ -270,6 +276,20 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     if implementation == "mosaic" or auto_mosaic:
         return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
                                                 cu_q_lens, num_seqs, sm_scale=sm_scale)
+    return _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                             interpret=interpret, block_q=block_q, block_k=block_k,
+                             num_kv_splits=num_kv_splits, num_warps=num_warps,
+                             num_stages=num_stages)
+
+
+def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                      sm_scale, sliding_window=None, soft_cap=None, interpret=False, block_q=None,
+                      block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
+                      fill_value: float = 0.0):
+    """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
+    rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
+    element it should have written and did not shows."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
@@ -278,9 +298,10 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     decode_bucket = num_tokens <= max_seqs
     if block_q is None:  # decode: the fewest rows a tensor-core dot takes; prefill: 64 rows
         block_q = max(1, (16 if decode_bucket else 64) // group_pad)
-    # H200 sweeps (docs/benchmarks.md): 16-bit decode reads 128-token KV tiles best (8 warps
-    # and 3 stages without splits, 4 and 2 with), prefill 64-token tiles with 2 stages. Wider
-    # tiles of fp32 or head_dim 256 would not fit shared memory at those depths.
+    # The tiling sweeps (`python -m pallas_kernels.bench --sections sweep`, docs/lab/): 16-bit
+    # decode reads 128-token KV tiles best (8 warps and 3 stages without splits, 4 and 2 with),
+    # prefill 64-token tiles with 2 stages. Wider tiles of fp32 or head_dim 256 would not fit
+    # shared memory at those depths.
     wide_tiles = decode_bucket and q.dtype.itemsize <= 2 and head_dim <= 128
     if block_k is None:
         block_k = 128 if wide_tiles else 64 if head_dim <= 128 else 32
@@ -299,14 +320,14 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     split_shape = (num_kv_splits, num_tokens, num_q_heads)
     if num_kv_splits == 1:
-        out_init = (jnp.full(q.shape, _fill_value, q.dtype),)
+        out_init = (jnp.full(q.shape, fill_value, q.dtype),)
     else:
-        out_init = (jnp.full((*split_shape, head_dim), _fill_value, jnp.float32),
-                    jnp.full(split_shape, _fill_value, jnp.float32))
+        out_init = (jnp.full((*split_shape, head_dim), fill_value, jnp.float32),
+                    jnp.full(split_shape, fill_value, jnp.float32))
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits)
+        num_splits=num_kv_splits, num_sms=_num_sms())
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(

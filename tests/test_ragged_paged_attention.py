@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import lower_for_h200
 
-from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 
 
@@ -46,10 +46,13 @@ def rel_err(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-def check(args, *, tol, fill=float("nan"), ref_args=None, **kw):
-    """Kernel on a NaN-poisoned output vs the reference on fp32 inputs (`ref_args`, default the
-    kernel's); live rows only."""
-    out = ragged_paged_attention(*args, interpret=True, _fill_value=fill, **kw)
+def check(args, *, tol, public=False, ref_args=None, **kw):
+    """Kernel vs the reference on fp32 inputs (`ref_args`, default the kernel's); live rows only.
+    The Triton path runs on a NaN-filled output, so an element it leaves unwritten shows; with
+    `public`, the public function (output filled with 0) instead."""
+    kernel = (functools.partial(ragged_paged_attention, **kw) if public else
+              functools.partial(_triton_attention, fill_value=float("nan"), **kw))
+    out = jax.jit(functools.partial(kernel, interpret=True))(*args)
     ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
     upcast = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in ref_args or args]
     ref = ragged_paged_attention_reference(*upcast, **ref_kw)
@@ -117,7 +120,7 @@ def test_sliding_window_and_soft_cap():
 def test_default_tiles_prefill_bucket_and_padding_rows_zero():
     args = make_batch(5, [33, 2], [70, 2], num_q_heads=4, num_kv_heads=2, head_dim=32,
                       page_size=16, max_seqs=4, num_tokens=48)
-    out = check(args, tol=1e-5, fill=0.0, sm_scale=0.2)
+    out = check(args, tol=1e-5, public=True, sm_scale=0.2)
     assert not np.asarray(out[35:]).any()
 
 
@@ -193,3 +196,13 @@ def test_lowers_for_cuda():
                 fn = functools.partial(ragged_paged_attention, sm_scale=0.1,
                                        num_kv_splits=splits, **extra)
                 assert "ragged_paged_attention" in lower_for_h200(fn, *args)
+
+
+def test_sm_count_comes_from_the_device(monkeypatch):
+    """The split-KV heuristic sizes for the GPU's own SM count; off a GPU, for a Hopper's."""
+    import types
+
+    from pallas_kernels import ragged_paged_attention as rpa
+    assert rpa._num_sms() == rpa._HOPPER_NUM_SMS  # this CPU device has no core_count
+    monkeypatch.setattr(rpa.jax, "devices", lambda: [types.SimpleNamespace(core_count=78)])
+    assert rpa._num_sms() == 78

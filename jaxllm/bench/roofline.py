@@ -1,4 +1,5 @@
-"""Hardware floors of a workload from the model shape, and the device ceilings they divide by.
+"""Hardware floors of a workload from the model shape (the device ceilings they divide by:
+`pallas_kernels/ceilings.py`).
 
 A decode step must read every weight it uses once and the KV of every context token; a workload
 must do its FLOPs. Floor time = max(bytes / HBM bandwidth, FLOPs / matmul rate); a measured time
@@ -8,75 +9,12 @@ divided into it is the achieved fraction (1.0 = at the roofline).
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from jaxllm.models.args import ModelArgs
-
-
-@dataclass
-class Ceilings:
-    hbm_bytes_per_s: float  # f32 copy bandwidth: (read + write bytes) / time
-    gemv_bytes_per_s: float  # weight-read rate of a matrix-vector product (decode's pattern)
-    matmul_flops_per_s: float  # large square matmul in the benchmark dtype
-    device: str
-    dtype: str
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def times(self, num_devices: int) -> "Ceilings":
-        """The ceilings of num_devices such devices working together (perfect scaling): the
-        floor of an engine over a TP x DP mesh divides its bytes and FLOPs over all of them."""
-        if num_devices == 1:
-            return self
-        return replace(self, hbm_bytes_per_s=self.hbm_bytes_per_s * num_devices,
-                       gemv_bytes_per_s=self.gemv_bytes_per_s * num_devices,
-                       matmul_flops_per_s=self.matmul_flops_per_s * num_devices,
-                       device=f"{num_devices} x {self.device}")
-
-
-def _time_per_call(fn, arg, reps: int) -> float:
-    import jax
-    jax.block_until_ready(fn(arg))  # compile and warm up
-    best = math.inf
-    for _ in range(3):  # best of three batches of `reps` back-to-back launches
-        start = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(arg)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best
-
-
-def measure_ceilings(dtype: str = "bfloat16", copy_bytes: int | None = None,
-                     matmul_n: int | None = None, reps: int = 20) -> Ceilings:
-    """Copy bandwidth, GEMV read rate and matmul rate on the first device."""
-    import jax
-    import jax.numpy as jnp
-
-    on_gpu = jax.default_backend() == "gpu"
-    copy_bytes = copy_bytes or (2 << 30 if on_gpu else 16 << 20)
-    matmul_n = matmul_n or (8192 if on_gpu else 512)
-    dt = jnp.dtype(dtype)
-    # f32 for the copy: XLA's bf16 elementwise ops measured ~20% under the f32 rate on H200.
-    x = jnp.ones(copy_bytes // 4, jnp.float32)
-    copy_s = _time_per_call(jax.jit(lambda a: a * 1.0001), x, reps)
-    del x
-    rows = int(math.sqrt(copy_bytes // 4 // dt.itemsize))  # a quarter of the copy size
-    w = jax.random.normal(jax.random.key(0), (rows, rows), dt)
-    v = jnp.ones((rows,), dt)
-    gemv_s = _time_per_call(jax.jit(lambda a: a @ v), w, reps)
-    del w
-    a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), dt)
-    matmul_s = _time_per_call(jax.jit(lambda m: m @ m), a, reps)
-    return Ceilings(hbm_bytes_per_s=2 * copy_bytes / copy_s,
-                    gemv_bytes_per_s=rows * rows * dt.itemsize / gemv_s,
-                    matmul_flops_per_s=2 * matmul_n ** 3 / matmul_s,
-                    device=str(jax.devices()[0].device_kind), dtype=dt.name)
+# The ceilings the floors divide by; `measure_ceilings` is re-exported for the bench commands.
+from pallas_kernels.ceilings import Ceilings, measure_ceilings  # noqa: F401
 
 
 # -- the model shape ------------------------------------------------------------------------------
@@ -124,8 +62,6 @@ def decode_step_floor(args: ModelArgs, batch_size: int, context_len: int, ceilin
     step_bytes = (weight_bytes_per_step(args, batch_size, dtype_bytes)
                   + batch_size * context_len * kv_bytes_per_token(args, dtype_bytes))
     flops = batch_size * (2 * active_params_per_token(args) + attention_flops(args, context_len))
-    memory_s = step_bytes / ceilings.hbm_bytes_per_s
-    compute_s = flops / ceilings.matmul_flops_per_s
     return _floor(step_bytes, flops, ceilings)
 
 

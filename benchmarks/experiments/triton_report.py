@@ -2,9 +2,9 @@
 load pipeline of one tiling, before any GPU time is spent on it.
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install triton        # the compiler, with ptxas
-    python benchmarks/triton_report.py --out /tmp/ttir [--block-q 16 --block-k 64 ...]
-    python benchmarks/triton_report.py --out /tmp/ttir --jax-mha          # the dense peer
-    /tmp/tv/bin/python benchmarks/triton_report.py --compile /tmp/ttir/kernel.ttir --num-warps 4
+    python benchmarks/experiments/triton_report.py --out /tmp/ttir [--block-q 16 --block-k 64 ...]
+    python benchmarks/experiments/triton_report.py --out /tmp/ttir --jax-mha          # the dense peer
+    /tmp/tv/bin/python benchmarks/experiments/triton_report.py --compile /tmp/ttir/kernel.ttir --num-warps 4
 
 The first step (jax's Python) lowers one bucket of `ragged_paged_attention` (default the prefill
 bucket: 2048 tokens, 4 sequences; Llama-3.1-8B heads, 16-token pages) under an abstract H200 and
@@ -29,7 +29,7 @@ def write_ttir(a) -> None:
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
     from conftest import lower_for_h200
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
