@@ -151,7 +151,7 @@ def run_serve(args: argparse.Namespace) -> None:
     app = build_app(serving, api_key=args.api_key)
     try:
         asyncio.run(_serve(uvicorn.Server(uvicorn_config(app, args)), args,
-                           model_name))
+                           serving.served_model_names[0]))
     finally:
         serving.engine.shutdown()
 
