@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     from jaxllm.bench.cli import add_bench_args
     add_bench_args(commands)
 
-    args = parser.parse_args(argv)
+    from jaxllm.engine.args import parse_cli_args
+
+    args = parse_cli_args(parser, argv)
     try:
         args.handler(args)
     except ValueError as e:  # bad input: a clear message, not a traceback

@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
 
 import uvicorn
 
-from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.args import EngineArgs, add_vllm_compat_flags, refuse
+from jaxllm.server.metrics import PREFIXES
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -22,7 +24,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+    parser.add_argument("--api-key", nargs="+", action=_OneApiKey, metavar="KEY",
+                        default=os.environ.get("JAXLLM_API_KEY"),
                         help="require `Authorization: Bearer <key>` on /v1 routes "
                              "(default: $JAXLLM_API_KEY)")
     parser.add_argument("--chat-template", default=None,
@@ -30,10 +33,75 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: the tokenizer's)")
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="answer 503 while this many requests are waiting")
-    parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"])
+    parser.add_argument("--metrics-prefix", default="both", choices=sorted(PREFIXES),
+                        help="/metrics names: vLLM's (vllm:, what its dashboards query), "
+                             "jaxllm:, or both (default)")
+    _add_uvicorn_args(parser)
     EngineArgs.add_cli_args(parser)
+    add_vllm_compat_flags(parser, SERVER_FLAGS_NO_EFFECT, SERVER_FLAGS_DEFAULT_ONLY,
+                          SERVER_FLAGS_NOT_IMPLEMENTED)
     return parser
+
+
+def _add_uvicorn_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--root-path", default=None,
+                        help="the path prefix a proxy serves the API under")
+    parser.add_argument("--ssl-keyfile", default=None)
+    parser.add_argument("--ssl-certfile", default=None)
+    parser.add_argument("--ssl-ca-certs", default=None)
+    parser.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                        help="whether a client certificate is required (the ssl module's)")
+
+
+def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                          access_log=not args.disable_uvicorn_access_log,
+                          root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                          ssl_cert_reqs=args.ssl_cert_reqs, timeout_keep_alive=5)
+
+
+class _OneApiKey(argparse.Action):
+    """vLLM's --api-key takes several keys; jaxllm checks one."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if len(values) > 1:
+            refuse(parser, "several --api-key values", "one key")
+        setattr(namespace, self.dest, values[0])
+
+
+# vLLM's frontend flags beyond jaxllm's (vllm/entrypoints/openai/cli_args.py); the engine's are
+# in jaxllm/engine/args.py, with what each table means.
+SERVER_FLAGS_NO_EFFECT = (
+    ("--disable-log-requests", False),  # jaxllm does not log requests
+    ("--no-disable-log-requests", False),
+    ("--enable-log-requests", False),
+    ("--no-enable-log-requests", False),
+    ("--max-log-len", True),
+    ("--disable-frontend-multiprocessing", False),  # one process already
+    ("--disable-fastapi-docs", False),  # no docs pages to disable
+)
+SERVER_FLAGS_DEFAULT_ONLY = (
+    ("--response-role", "assistant"),
+    ("--api-server-count|-asc", "1"),
+)
+SERVER_FLAGS_NOT_IMPLEMENTED = (
+    "--uds", "--disable-access-log-for-endpoints", "--allow-credentials", "--allowed-origins",
+    "--allowed-methods", "--allowed-headers", "--ssl-ciphers", "--enable-ssl-refresh",
+    "--middleware", "--enable-request-id-headers", "--h11-max-incomplete-event-size",
+    "--h11-max-header-count", "--enable-offline-docs", "--lora-modules",
+    "--chat-template-content-format", "--trust-request-chat-template",
+    "--default-chat-template-kwargs", "--return-tokens-as-token-ids", "--enable-auto-tool-choice",
+    "--exclude-tools-when-tool-choice-none", "--tool-call-parser", "--tool-parser-plugin",
+    "--tool-server", "--log-config-file", "--enable-prompt-tokens-details",
+    "--enable-per-request-metrics", "--enable-server-load-tracking",
+    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--enable-log-outputs",
+    "--log-error-stack", "--tokens-only", "--headless", "--config", "--fingerprint-mode",
+    "--fingerprint-value",
+)
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -60,8 +128,20 @@ def build_serving(args: argparse.Namespace):
     args.model = args.model_tag or args.model
     core = make_engine(EngineArgs.from_cli_args(args))  # a DPEngine for --data-parallel-size > 1
     engine = AsyncLLM(core, max_queue_len=args.max_queue_len)
-    return OpenAIServing(engine, [core.model_name], ServerMetrics(core.model_name),
-                         chat_template)
+    names = args.served_model_name or [core.model_name]  # the first is the one reported
+    metrics = ServerMetrics(names[0], core.max_model_len, cache_config_info(core),
+                            args.metrics_prefix)
+    return OpenAIServing(engine, names, metrics, chat_template)
+
+
+def cache_config_info(core) -> dict:
+    """vLLM's cache_config_info labels, as far as jaxllm has them."""
+    cache = core.config.cache_config
+    return {"block_size": cache.block_size, "cache_dtype": "auto",
+            "enable_prefix_caching": False, "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "num_gpu_blocks": core.get_stats()["num_blocks"],
+            "num_gpu_blocks_override": cache.num_gpu_blocks_override,
+            "cpu_kv_cache_bytes": cache.cpu_kv_cache_bytes}
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -69,19 +149,18 @@ def run_serve(args: argparse.Namespace) -> None:
 
     serving = build_serving(args)
     app = build_app(serving, api_key=args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level, timeout_keep_alive=5)
     try:
-        asyncio.run(_serve(uvicorn.Server(config), args))
+        asyncio.run(_serve(uvicorn.Server(uvicorn_config(app, args)), args,
+                           serving.served_model_names[0]))
     finally:
         serving.engine.shutdown()
 
 
-async def _serve(server: uvicorn.Server, args: argparse.Namespace) -> None:
+async def _serve(server: uvicorn.Server, args: argparse.Namespace, model_name: str) -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         logger.info("jaxllm API server ready on http://%s:%d (model %s)", args.host, args.port,
-                    args.served_model_name or args.model or "SmolLM2-135M-Instruct")
+                    model_name)
     await task

@@ -123,7 +123,7 @@ class OpenAIServing:
         The returned iterator yields (prompt index, cumulative output) and records latency
         metrics; closing it early aborts whatever is unfinished.
         """
-        timers = [self.metrics.timer() for _ in prompts]
+        timers = [self.metrics.timer(params) for _ in prompts]
         streams = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt=text)
                    for i, (ids, text) in enumerate(prompts)]
         firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 from dataclasses import dataclass, fields
 
 import jax
@@ -72,18 +74,225 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """--max-model-len style flags for every field but `model` (a positional in the CLI)."""
+        """vLLM's engine flags, spelt and parsed as vLLM's (aliases such as -tp, sizes such as 4k,
+        --dtype half), one per field but `model` (a positional in the CLI); vLLM engine flags that
+        jaxllm does not implement are refused by name, and those that change nothing here are
+        accepted."""
         for f in fields(EngineArgs):
-            if f.name == "model":
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", "bool | None"):  # --enforce-eager / --no-enforce-eager
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            else:
-                kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-                parser.add_argument(flag, type=kind, default=f.default)
+            if f.name != "model":
+                parser.add_argument(f"--{f.name.replace('_', '-')}", *_ALIASES.get(f.name, ()),
+                                    **_flag_options(f))
+        add_vllm_compat_flags(parser, ENGINE_FLAGS_NO_EFFECT, ENGINE_FLAGS_DEFAULT_ONLY,
+                              ENGINE_FLAGS_NOT_IMPLEMENTED)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if isinstance(values.get("served_model_name"), list):
+            # The engine reports the first name; the server accepts all of them (server/cli.py).
+            values["served_model_name"] = values["served_model_name"][0]
+        return cls(**values)
+
+
+# -- vLLM's value syntax ------------------------------------------------------------------------
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's sizes: lower-case k m g t are powers of 1000 (4k = 4000, 25.6k = 25600), upper-case
+    K M G T powers of 1024 (32K = 32768, whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        hint = f"; did you mean {number}{suffix.lower()}?" if suffix else ""
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}{hint}")
+    return int(number) * _BINARY_SUFFIXES.get(suffix, 1)
+
+
+def parse_max_model_len(value: str) -> int:
+    if value.strip() in ("auto", "-1"):
+        raise argparse.ArgumentTypeError(
+            "jaxllm does not support --max-model-len auto (the longest that fits in memory) yet: "
+            "give a length, or leave the flag out for the model's own limit")
+    return human_readable_int(value)
+
+
+def parse_dtype(value: str) -> str:
+    """vLLM's --dtype values; half and float are float16 and float32."""
+    if value not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from {', '.join(DTYPE_CHOICES)})")
+    return _DTYPE_ALIASES.get(value, value)
+
+
+_ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),
+            "enable_expert_parallel": ("-ep",)}
+_FLAG_TYPES = {"max_model_len": parse_max_model_len, "max_num_batched_tokens": human_readable_int,
+               "cpu_kv_cache_bytes": human_readable_int}
+
+
+def _flag_options(f) -> dict:
+    if f.type in ("bool", "bool | None"):  # --enforce-eager / --no-enforce-eager
+        return {"action": argparse.BooleanOptionalAction, "default": f.default}
+    if f.name == "served_model_name":  # several names, as vLLM: the first is reported
+        return {"nargs": "+", "default": None, "metavar": "NAME"}
+    if f.name == "dtype":
+        return {"type": parse_dtype, "default": f.default,
+                "metavar": "{" + ",".join(DTYPE_CHOICES) + "}"}
+    kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+    return {"type": _FLAG_TYPES.get(f.name, kind), "default": f.default}
+
+
+# -- vLLM flags beyond jaxllm's -----------------------------------------------------------------
+# Each entry is one flag with its aliases, "|"-separated, named as in vLLM's `vllm serve --help`
+# (vllm/engine/arg_utils.py). A flag missing from every table is a typo: argparse's error.
+
+# Accepted and ignored: (flag, takes a value). jaxllm has no such behaviour to switch.
+ENGINE_FLAGS_NO_EFFECT = (
+    ("--trust-remote-code", False),  # jaxllm runs its own model code, never the checkpoint's
+    ("--no-trust-remote-code", False),
+    ("--disable-log-stats", False),
+    ("--no-enable-prefix-caching", False),
+    ("--enable-chunked-prefill", False),  # jaxllm always chunks long prefills
+    ("--use-tqdm-on-load", False),
+    ("--no-use-tqdm-on-load", False),
+    ("--disable-custom-all-reduce", False),  # XLA owns the collectives
+    ("--swap-space", True),  # a V0 preemption buffer; jaxllm preempts by recompute
+    ("--max-parallel-loading-workers", True),
+    ("--show-hidden-metrics-for-version", True),  # the deprecated metric names are always shown
+)
+
+# Accepted at the value that is jaxllm's behaviour, refused at any other: (flag, value).
+ENGINE_FLAGS_DEFAULT_ONLY = (
+    ("--pipeline-parallel-size|-pp", "1"),
+    ("--kv-cache-dtype", "auto"),
+    ("--tokenizer-mode", "auto"),
+    ("--model-impl", "auto"),
+    ("--scheduling-policy", "fcfs"),
+    ("--stream-interval", "1"),
+    # jaxllm reads only the EOS ids from generation_config.json, never its sampling defaults:
+    # vLLM's `vllm` mode; `auto` (vLLM's default) would change outputs.
+    ("--generation-config", "vllm"),
+)
+
+ENGINE_FLAGS_NOT_IMPLEMENTED = (
+    "--runner", "--convert", "--hf-config-path", "--allowed-local-media-path",
+    "--allowed-media-domains", "--revision", "--code-revision", "--tokenizer-revision",
+    "--quantization|-q", "--allow-deprecated-quantization", "--enable-return-routed-experts",
+    "--max-logprobs", "--logprobs-mode", "--disable-sliding-window", "--disable-cascade-attn",
+    "--skip-tokenizer-init", "--enable-prompt-embeds", "--config-format", "--hf-token",
+    "--hf-overrides", "--pooler-config", "--logits-processor-pattern",
+    "--override-generation-config", "--enable-sleep-mode", "--override-attention-dtype",
+    "--logits-processors", "--io-processor-plugin", "--task", "--max-seq-len-to-capture",
+    "--download-dir", "--safetensors-load-strategy", "--model-loader-extra-config",
+    "--ignore-patterns", "--pt-load-map-location", "--reasoning-parser",
+    "--reasoning-parser-plugin", "--guided-decoding-backend", "--distributed-executor-backend",
+    "--master-addr", "--master-port", "--nnodes|-n", "--node-rank|-r",
+    "--decode-context-parallel-size|-dcp", "--dcp-kv-cache-interleave-size",
+    "--cp-kv-cache-interleave-size", "--prefill-context-parallel-size|-pcp",
+    "--data-parallel-rank|-dpn", "--data-parallel-start-rank|-dpr",
+    "--data-parallel-size-local|-dpl", "--data-parallel-address|-dpa",
+    "--data-parallel-rpc-port|-dpp", "--data-parallel-backend|-dpb",
+    "--data-parallel-hybrid-lb|-dph", "--data-parallel-external-lb|-dpe", "--all2all-backend",
+    "--enable-dbo", "--ubatch-size", "--dbo-decode-token-threshold",
+    "--dbo-prefill-token-threshold", "--disable-nccl-for-dp-synchronization", "--enable-eplb",
+    "--eplb-config", "--expert-placement-strategy", "--ray-workers-use-nsight", "--worker-cls",
+    "--worker-extension-cls", "--kv-cache-memory-bytes", "--enable-prefix-caching",
+    "--prefix-caching-hash-algo", "--cpu-offload-gb", "--calculate-kv-scales",
+    "--kv-sharing-fast-prefill", "--mamba-cache-dtype", "--mamba-ssm-cache-dtype",
+    "--mamba-block-size", "--mamba-cache-mode", "--kv-offloading-size", "--kv-offloading-backend",
+    "--limit-mm-per-prompt", "--enable-mm-embeds", "--media-io-kwargs", "--mm-processor-kwargs",
+    "--mm-processor-cache-gb", "--mm-processor-cache-type", "--mm-shm-cache-max-object-size-mb",
+    "--mm-encoder-only", "--mm-encoder-tp-mode", "--mm-encoder-attn-backend",
+    "--interleave-mm-strings", "--skip-mm-profiling", "--video-pruning-rate", "--enable-lora",
+    "--max-loras", "--max-lora-rank", "--lora-dtype", "--enable-tower-connector-lora",
+    "--max-cpu-loras", "--fully-sharded-loras", "--default-mm-loras", "--specialize-active-lora",
+    "--otlp-traces-endpoint", "--collect-detailed-traces", "--kv-cache-metrics",
+    "--kv-cache-metrics-sample", "--cudagraph-metrics", "--enable-layerwise-nvtx-tracing",
+    "--enable-mfu-metrics", "--enable-logging-iteration-details", "--max-num-partial-prefills",
+    "--max-long-partial-prefills", "--long-prefill-token-threshold",
+    "--no-enable-chunked-prefill", "--disable-chunked-mm-input", "--scheduler-cls",
+    "--disable-hybrid-kv-cache-manager", "--cudagraph-capture-sizes",
+    "--max-cudagraph-capture-size", "--speculative-config", "--kv-transfer-config",
+    "--kv-events-config", "--ec-transfer-config", "--compilation-config|-cc",
+    "--attention-config|-ac", "--additional-config", "--structured-outputs-config",
+    "--profiler-config", "--optimization-level", "--weight-transfer-config",
+    "--enable-fault-tolerance", "--aggregate-engine-logging",
+)
+
+
+class _NoEffect(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        pass
+
+
+class _DefaultOnly(argparse.Action):
+    def __init__(self, option_strings, dest, only: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.only = only
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values.strip() != self.only:
+            flag = self.option_strings[0]
+            refuse(parser, f"{flag} {values}", f"{flag} {self.only}")
+
+
+class _NotImplemented(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        refuse(parser, self.option_strings[0])
+
+
+def refuse(parser: argparse.ArgumentParser, flag: str, what_works: str | None = None) -> None:
+    """One line naming the vLLM flag, instead of argparse's usage and 'unrecognized arguments'."""
+    hint = f", only {what_works}" if what_works else ""
+    parser.exit(2, f"{parser.prog}: error: jaxllm does not support {flag} yet{hint} "
+                   f"(`{parser.prog} --help` lists what it implements)\n")
+
+
+def add_vllm_compat_flags(parser: argparse.ArgumentParser, no_effect, default_only,
+                          not_implemented) -> None:
+    """Registers vLLM flags beyond jaxllm's (see ENGINE_FLAGS_NO_EFFECT and the tables below it)."""
+    accepted = parser.add_argument_group("vLLM flags accepted for compatibility (no effect)")
+    for names, takes_value in no_effect:
+        accepted.add_argument(*names.split("|"), action=_NoEffect, nargs=1 if takes_value else 0,
+                              default=argparse.SUPPRESS)
+    for names, only in default_only:
+        accepted.add_argument(*names.split("|"), action=_DefaultOnly, only=only,
+                              default=argparse.SUPPRESS, help=f"only {only}")
+    for names in not_implemented:
+        parser.add_argument(*names.split("|"), action=_NotImplemented, nargs="?",
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def parse_cli_args(parser: argparse.ArgumentParser,
+                   argv: list[str] | None = None) -> argparse.Namespace:
+    """parse_args, where a flag no table knows (a typo) gets argparse's error with the closest
+    flag of the (sub)command it was given to."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = _innermost_parser(parser, args)
+        known = [name for action in command._actions for name in action.option_strings]
+        hints = []
+        for arg in unknown:
+            close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
+            hints.append(f"{arg} (did you mean {close[0]}?)" if arg.startswith("-") and close
+                         else arg)
+        command.error(f"unrecognized arguments: {' '.join(hints)}")
+    return args
+
+
+def _innermost_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                return _innermost_parser(chosen, args)
+    return parser
