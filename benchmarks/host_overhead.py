@@ -1,4 +1,5 @@
-"""Host overhead of one decode step: schedule(), build_step_batch() and update_from_output().
+"""Host overhead of one decode step: schedule(), the runner's host side (its request states and
+build_step_batch()) and update_from_output().
 
 256 running sequences decode one token each per step (no device work). The target for the
 whole host side is under 1 ms per step.
@@ -18,7 +19,8 @@ from jaxllm.config import CacheConfig, SchedulerConfig
 from jaxllm.core.request import Request
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.worker.batch import BlockTables, SeqChunk, build_step_batch
+from jaxllm.worker.batch import SeqChunk, build_step_batch
+from jaxllm.worker.request_states import RequestStates
 
 
 def make_decoding_scheduler(num_seqs: int, max_model_len: int, block_size: int) -> Scheduler:
@@ -36,24 +38,25 @@ def make_decoding_scheduler(num_seqs: int, max_model_len: int, block_size: int) 
     return scheduler
 
 
-def step(scheduler: Scheduler, tables: BlockTables, rows: dict[str, int],
+def step(scheduler: Scheduler, states: RequestStates,
          rng: random.Random) -> tuple[float, float, float]:
     """One host step as the model runner does it; returns the seconds spent scheduling,
-    building the batch (block tables kept per row, as the runner keeps them), updating."""
+    building the batch (request states and block tables kept per row, as the runner keeps
+    them), updating."""
     t0 = time.perf_counter()
     output = scheduler.schedule()
     t1 = time.perf_counter()
-    scheduled = output.scheduled
-    seq_rows = np.fromiter((rows.setdefault(s.request_id, len(rows)) for s in scheduled),
-                           np.int32, len(scheduled))
-    tables.record_grants(seq_rows, scheduled)
-    num_seqs_padded = bucket(len(scheduled))
-    build_step_batch([SeqChunk(s.token_ids, s.num_computed_tokens) for s in scheduled],
-                     bucket(output.num_scheduled_tokens), num_seqs_padded,
-                     tables.table.shape[1], scheduler.block_size,
-                     block_tables=tables.gather(seq_rows, num_seqs_padded))
+    chunks = states.apply(output)
+    rows = np.fromiter((c.state.row for c in chunks), np.int32, len(chunks))
+    num_seqs_padded = bucket(len(chunks))
+    build_step_batch([SeqChunk(c.token_ids, c.start) for c in chunks],
+                     bucket(output.total_num_scheduled_tokens), num_seqs_padded,
+                     states.max_blocks_per_seq, scheduler.block_size,
+                     block_tables=states.block_tables.gather(rows, num_seqs_padded))
     t2 = time.perf_counter()
-    sampled = {s.request_id: rng.randrange(32000) for s in scheduled if s.samples}
+    sampled = {c.state.request_id: [rng.randrange(32000)] for c in chunks if c.samples}
+    for request_id, token_ids in sampled.items():
+        states.record_sampled(request_id, token_ids)
     t3 = time.perf_counter()
     scheduler.update_from_output(output, sampled)
     t4 = time.perf_counter()
@@ -73,14 +76,13 @@ def main() -> None:
     args = parser.parse_args()
 
     scheduler = make_decoding_scheduler(args.num_seqs, args.max_model_len, args.block_size)
-    tables = BlockTables(args.num_seqs, args.max_model_len // args.block_size)
-    rows: dict[str, int] = {}
+    states = RequestStates(args.num_seqs, args.max_model_len // args.block_size)
     rng = random.Random(1)
     while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
-        step(scheduler, tables, rows, rng)  # prefill until every sequence decodes
-    times = np.array([step(scheduler, tables, rows, rng) for _ in range(args.steps)]) * 1e6
+        step(scheduler, states, rng)  # prefill until every sequence decodes
+    times = np.array([step(scheduler, states, rng) for _ in range(args.steps)]) * 1e6
     assert scheduler.num_running == args.num_seqs, "a sequence finished during the benchmark"
-    columns = {"schedule": times[:, 0], "build_step_batch": times[:, 1],
+    columns = {"schedule": times[:, 0], "runner host side": times[:, 1],
                "update_from_output": times[:, 2], "total": times.sum(axis=1)}
     print(f"{args.num_seqs} decoding sequences, {args.steps} steps, microseconds per step:")
     for name, t in columns.items():
