@@ -283,11 +283,13 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             was_preempted = request.status == RequestStatus.PREEMPTED
+            stopped = False
             for token_id in sampled_token_ids[request.request_id]:
                 request.append_output_token_id(token_id)
-                if self._check_stop(request):
+                stopped = self._check_stop(request)
+                if stopped:
                     break
-            if request.is_finished():
+            if stopped:
                 if was_preempted:
                     self.waiting.remove(request)
                 self._free_request(request)

@@ -103,31 +103,39 @@ class RequestStates:
         return state
 
     def apply(self, output: SchedulerOutput) -> list[ScheduledChunk]:
-        """Applies one step's SchedulerOutput; returns its chunks in batch order."""
+        """Applies one step's SchedulerOutput; returns its chunks in batch order. Runs every
+        step for every scheduled request: plain loops, no per-request helpers."""
         self.release(output.finished_req_ids | output.preempted_req_ids)
-        states = []
+        num_scheduled, drafts = output.num_scheduled_tokens, output.scheduled_spec_decode_tokens
+        chunks = []
         for cached in output.scheduled_cached_reqs:
             state = self.states[cached.request_id]
-            state.num_computed_tokens, state.new = cached.num_computed_tokens, False
-            self.block_tables.append(state.row, cached.new_block_ids)
-            states.append(state)
-        states += [self._add(new) for new in output.scheduled_new_reqs]
-        return [self._chunk(state, output.num_scheduled_tokens[state.request_id],
-                            output.scheduled_spec_decode_tokens.get(state.request_id, ()))
-                for state in states]
-
-    @staticmethod
-    def _chunk(state: RequestState, num_tokens: int, drafts) -> ScheduledChunk:
-        start, token_ids = state.num_computed_tokens, state.token_ids
-        end = start + num_tokens - len(drafts)
-        chunk = token_ids[start:end]
-        if end > len(token_ids):
-            chunk += [PLACEHOLDER_TOKEN_ID] * (end - max(start, len(token_ids)))
-        return ScheduledChunk(state, chunk + list(drafts), start, end >= len(token_ids),
-                              len(drafts))
+            state.num_computed_tokens = cached.num_computed_tokens
+            state.new = False
+            if cached.new_block_ids:
+                self.block_tables.append(state.row, cached.new_block_ids)
+            chunks.append(_chunk(state, num_scheduled[cached.request_id],
+                                 drafts.get(cached.request_id) if drafts else None))
+        for new in output.scheduled_new_reqs:
+            chunks.append(_chunk(self._add(new), num_scheduled[new.request_id],
+                                 drafts.get(new.request_id) if drafts else None))
+        return chunks
 
     def record_sampled(self, request_id: str, token_ids: list[int]) -> None:
         """Appends a step's sampled tokens to a request still held."""
         state = self.states.get(request_id)
         if state is not None:
             state.token_ids += token_ids
+
+
+def _chunk(state: RequestState, num_tokens: int, drafts: list[int] | None) -> ScheduledChunk:
+    start, token_ids = state.num_computed_tokens, state.token_ids
+    num_drafts = len(drafts) if drafts else 0
+    end = start + num_tokens - num_drafts
+    num_known = len(token_ids)
+    chunk = token_ids[start:end]
+    if end > num_known:
+        chunk += [PLACEHOLDER_TOKEN_ID] * (end - max(start, num_known))
+    if num_drafts:
+        chunk += drafts
+    return ScheduledChunk(state, chunk, start, end >= num_known, num_drafts)
