@@ -105,13 +105,17 @@ def test_a_back_pointing_import_is_caught(module, source):
     assert violations(module, source)
 
 
-def test_installed_names_are_namespaced():
-    """server/ and sharding/ are importable only as jaxllm.server and jaxllm.sharding once
-    installed: the package list names no top-level server or sharding."""
-    import tomllib
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        find = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]
-    assert all(not p.startswith(("server", "sharding")) for p in find["include"]), find
-    for name in ("server", "sharding"):
-        link = os.path.join(ROOT, "jaxllm", name)
-        assert os.path.islink(link) and os.readlink(link) == os.path.join("..", name)
+def test_the_wheel_installs_no_top_level_server_or_sharding(tmp_path):
+    """server/ and sharding/ install as jaxllm.server and jaxllm.sharding only: the built wheel
+    holds no top-level server or sharding package."""
+    import subprocess
+    import sys
+    import zipfile
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", ROOT, "-w", str(tmp_path)], check=True,
+                   capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("jaxllm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"jaxllm", "pallas_kernels",
+                                                 wheel.name.split("-py3")[0] + ".dist-info"}
+    assert "jaxllm/server/app.py" in names and "jaxllm/sharding/rules.py" in names
