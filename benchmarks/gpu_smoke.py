@@ -121,8 +121,9 @@ def run_case(case: Case) -> dict:
 
 # -- the matrix ---------------------------------------------------------------------------------
 def _launch(case: Case, out_dir: str, index: int) -> tuple[subprocess.Popen, float]:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)  # each engine sizes its own pool
+    # the engine sizes jax's pool from its gpu_memory_utilization; set here too, so that cases
+    # side by side fit even where the engine does not
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_PYTHON_CLIENT_MEM_FRACTION=str(case.utilization))
     log = open(os.path.join(out_dir, f"case_{index:02d}.log"), "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, __file__, "--case", json.dumps(asdict(case))],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
