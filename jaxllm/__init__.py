@@ -5,13 +5,6 @@
 Names resolve lazily so that the control plane (jaxllm.core) imports without JAX.
 """
 
-import os
-
-# jax's GPU allocator takes 75% of the device unless told otherwise, while gpu_memory_utilization
-# (0.9 by default) is a share of the whole device, as in vLLM. Set before jax starts; the rest
-# stays for what XLA allocates outside its pool (cuBLAS workspaces, NCCL buffers).
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 

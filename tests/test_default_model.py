@@ -12,6 +12,7 @@ import pytest
 
 from jaxllm.loader import load_model
 from jaxllm.loader.default_model import default_gguf_path
+from jaxllm.loader.gguf_import import read_metadata, tokenizer_from_metadata
 from jaxllm.models import forward, fuse_params
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 
@@ -21,6 +22,65 @@ CHATS = [
      {"role": "user", "content": "Write a haiku about paged attention, naïvely: 日本語 ✓"}],
 ]
 PLAIN = ["Hello, my name is", "  leading spaces\tand tabs\n\nnewlines 1234567 <|im_end|> done"]
+
+# Token ids of the tokenizer that transformers' GGUF builder made (5.24, before this import used
+# the tokenizers library), for the strings beside them.
+REFERENCE_IDS = [
+    ('Hello, my name is',
+     [19556, 28, 957, 1462, 314]),
+    ('  leading spaces\tand tabs\n\nnewlines 1234567 <|im_end|> done',
+     [216, 2899, 5600, 197, 397, 29416, 198, 198, 2241, 5110, 216, 33, 34, 35, 36, 37, 38, 39,
+      216, 2, 2294]),
+    ('The quick brown fox jumps over the lazy dog.',
+     [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30]),
+    ("I'm sure they'll say it's fine, we've done what you'd've done.",
+     [57, 5248, 2090, 502, 3060, 1643, 357, 506, 4979, 28, 392, 3543, 2294, 732, 346, 6737, 3543,
+      2294, 30]),
+    ('naïve café résumé — “quotes” and ‘single’ …',
+     [3546, 46494, 37366, 412, 2756, 5422, 2756, 1841, 619, 385, 2346, 573, 284, 1551, 18536,
+      417, 5548]),
+    ('日本語のテキストと中文字符，한국어 텍스트',
+     [23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226,
+      7365, 118, 28589, 29184, 36518, 40562, 116, 12831, 33085, 246, 181, 130, 251, 183, 240,
+      129, 48138, 223, 231, 183, 228, 114, 184, 228, 133]),
+    ('emoji 🤗🚀👍🏽 and flags 🇫🇷 zwj 👨\u200d👩\u200d👧',
+     [391, 33777, 15107, 114, 241, 10813, 244, 218, 10813, 235, 231, 10813, 233, 138, 284, 13198,
+      15107, 225, 121, 10813, 225, 132, 1892, 103, 90, 15107, 235, 118, 321, 231, 10813, 235,
+      119, 321, 231, 10813, 235, 117]),
+    ('def f(x):\n    return x**2  # comment\n\n\tif x != 0: pass',
+     [1604, 275, 24, 104, 727, 472, 1003, 1792, 828, 34, 216, 907, 5189, 1116, 197, 342, 1792,
+      6541, 216, 32, 42, 1301]),
+    ('numbers 3.14159 2,718 1e-10 0x1F 007 1000000000',
+     [28707, 216, 35, 30, 33, 36, 33, 37, 41, 216, 34, 28, 39, 33, 40, 216, 33, 85, 29, 33, 32,
+      216, 32, 104, 33, 54, 216, 32, 32, 39, 216, 33, 32, 32, 32, 32, 32, 32, 32, 32, 32]),
+    ('<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n',
+     [1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198]),
+    ('<|endoftext|><repo_name>x<file_sep><empty_output>',
+     [0, 3, 104, 5, 16]),
+    ('   ',
+     [333]),
+    ('',
+     []),
+    ('a\r\nb\rc\xa0d\u2003e\u200bf',
+     [81, 201, 198, 82, 201, 83, 15442, 84, 321, 221, 85, 321, 229, 86]),
+    ('URL https://example.com/path?q=1&r=two#frag and email a.b@c.org',
+     [14492, 5141, 1742, 7434, 30, 824, 31, 1537, 47, 97, 45, 33, 22, 98, 45, 11355, 19, 28082,
+      284, 4106, 253, 30, 82, 48, 83, 30, 2295]),
+    ('ALLCAPS Mixed camelCase snake_case kebab-case',
+     [12631, 33467, 67, 34326, 32782, 10802, 14321, 79, 7544, 902, 82, 369, 29, 7544]),
+    ('العربية עברית Ελληνικά русский',
+     [22208, 34966, 20602, 31462, 23339, 43463, 12960, 112, 37657, 30825, 28532, 120, 5664, 239,
+      17162, 17162, 25723, 11517, 12001, 21118, 26112, 216, 9175, 14714, 9382, 39511, 7872,
+      24958]),
+    ('\x00\x01 control \x7f bytes',
+     [190, 191, 1533, 216, 217, 15590]),
+    ('repeated!!!!!! ????? ...... ------',
+     [257, 30773, 36689, 10095, 9148, 16693, 16693, 32543, 950, 216, 21771]),
+    (' leading space and trailing space ',
+     [2899, 1898, 284, 35079, 1898, 216]),
+]
+CHAT_REFERENCE = ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi ✓<|im_end|>\n"
+                  "<|im_start|>assistant\n")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +95,39 @@ def hf_gguf(default_model_dir, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(gguf_only, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf_only, gguf_file=gguf, dtype=torch.float32)
     return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(default_model_dir, tmp_path_factory):
+    """This checkout's tokenizer from the default GGUF's metadata, saved and loaded back as the
+    engine loads it (the cached conversion may predate this code)."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("gguf_tokenizer")
+    tokenizer_from_metadata(read_metadata(GGUFReader(default_gguf_path()))).save_pretrained(out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def test_gguf_tokenizer_matches_the_recorded_ids(gguf_tokenizer):
+    for text, ids in REFERENCE_IDS:
+        assert gguf_tokenizer(text).input_ids == ids, text
+        assert gguf_tokenizer.decode(ids) == text
+    chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi ✓"}]
+    assert gguf_tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                              tokenize=False) == CHAT_REFERENCE
+    assert (gguf_tokenizer.bos_token, gguf_tokenizer.eos_token, gguf_tokenizer.unk_token,
+            gguf_tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>",
+                                          "<|im_end|>")
+    assert gguf_tokenizer.eos_token_id == 2 and len(gguf_tokenizer) == 49152
+
+
+def test_gguf_tokenizer_splits_digits_as_llama_cpp(gguf_tokenizer):
+    """tokenizer.ggml.pre "smollm": llama.cpp splits every digit off before GPT-2's split (as
+    SmolLM2's own tokenizer does), so spaces before a digit stay one run. transformers' GGUF
+    builder ignored "smollm" and gave [49, 216, 216, 35] here."""
+    assert gguf_tokenizer("A  3").input_ids == [49, 256, 35]
+    assert gguf_tokenizer("x 12").input_ids == gguf_tokenizer("x").input_ids + [216, 33, 34]
 
 
 @pytest.fixture(scope="module")

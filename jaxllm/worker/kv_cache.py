@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
-import os
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.worker.device_memory import pool_fraction
+
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-# The share of a GPU jax's allocator takes when it starts: jax's default 0.75, which
-# jaxllm/__init__.py raises before jax starts.
-ALLOCATOR_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-JAX_DEFAULT_ALLOCATOR_FRACTION = 0.75
+# Of jax's pool, kept free whatever the share: XLA's autotuner takes its buffers from the pool
+# while warm-up compiles, after the KV cache is allocated; an 8B model's autotuning needs a
+# few GB of it.
 POOL_HEADROOM = 0.1
+MIN_HEADROOM_BYTES = 4 * GiB
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -38,24 +40,48 @@ def device_memory_limit() -> int | None:
     return stats.get("bytes_limit") if stats else None
 
 
+@dataclass(frozen=True)
+class DeviceMemoryBudget:
+    """How the KV cache's share of one device was found (bytes)."""
+    gpu_memory_utilization: float
+    device: int  # the whole device
+    pool: int  # jax's allocator pool, preallocated: gpu_memory_utilization of the device
+    in_use: int  # weights and anything else already allocated
+    activations: int  # the largest step's profiled temporaries
+    headroom: int  # left free in the pool for XLA's autotuner
+    kv_cache: int
+
+    def describe(self) -> str:
+        gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+        return (f"device memory: jax's pool takes {gib(self.pool)} of the {gib(self.device)} "
+                f"device ({self.pool / self.device:.2f}; gpu_memory_utilization="
+                f"{self.gpu_memory_utilization:g}); of it weights and buffers {gib(self.in_use)}, "
+                f"activation peak {gib(self.activations)}, kept free for XLA's autotuner "
+                f"{gib(self.headroom)}, KV cache {gib(max(self.kv_cache, 0))}")
+
+
 def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes: int) -> int:
-    """Bytes the KV cache may take on the first device: the allowed share of its memory, less
-    what is in use (weights) and the step's profiled activation peak."""
+    """Bytes the KV cache may take on the first device (logged with how they were found): the
+    allowed share of its memory, less what is in use (weights) and the step's activation peak."""
     stats = jax.devices()[0].memory_stats()
-    fraction = float(os.environ.get(ALLOCATOR_FRACTION_ENV, JAX_DEFAULT_ALLOCATOR_FRACTION))
-    return kv_cache_budget(stats["bytes_limit"], stats["bytes_in_use"], gpu_memory_utilization,
-                           activation_peak_bytes, fraction)
+    budget = kv_cache_budget(stats["bytes_limit"], stats["bytes_in_use"], gpu_memory_utilization,
+                             activation_peak_bytes, pool_fraction())
+    logger.info(budget.describe())
+    return budget.kv_cache
 
 
 def kv_cache_budget(bytes_limit: int, bytes_in_use: int, gpu_memory_utilization: float,
-                    activation_peak_bytes: int, allocator_fraction: float) -> int:
-    """gpu_memory_utilization is a share of the whole device, as in vLLM; jax's allocator holds
-    allocator_fraction of it (bytes_limit). POOL_HEADROOM of that pool stays free whatever the
-    share: XLA's autotuner takes its buffers from the pool while warm-up compiles, after the KV
-    cache is allocated (on an H200, leaving 2.8 GB of the pool free ran out of memory there)."""
-    budget = min(int(bytes_limit / allocator_fraction * gpu_memory_utilization),
-                 int(bytes_limit * (1 - POOL_HEADROOM)))
-    return budget - bytes_in_use - activation_peak_bytes
+                    activation_peak_bytes: int, allocator_fraction: float) -> DeviceMemoryBudget:
+    """gpu_memory_utilization is a share of the whole device, as in vLLM; jax's allocator pool
+    (bytes_limit) holds allocator_fraction of it, the same share unless jax started before the
+    engine could set it (device_memory.py). The KV cache gets the smaller of the share and the
+    pool less its autotuning headroom, less what is in use and the activations."""
+    device = int(bytes_limit / allocator_fraction)
+    headroom = max(int(bytes_limit * POOL_HEADROOM), MIN_HEADROOM_BYTES)
+    usable = min(int(device * gpu_memory_utilization), bytes_limit - headroom)
+    return DeviceMemoryBudget(gpu_memory_utilization, device, bytes_limit, bytes_in_use,
+                              activation_peak_bytes, headroom,
+                              usable - bytes_in_use - activation_peak_bytes)
 
 
 def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:

@@ -1,0 +1,263 @@
+"""Does the engine start and generate on every supported configuration? One device call.
+
+    python benchmarks/gpu_smoke.py --out DIR            # the GPU matrix (TP=2 cases when 2 GPUs)
+    python benchmarks/gpu_smoke.py --cpu --out DIR      # a reduced matrix on the CPU
+
+Each case starts an engine (dummy weights, warm-up included: start-up is what is checked) in its
+own process, so a crash fails that case only, and generates a few greedy tokens with logprobs.
+A case passes when it starts, its logprobs are finite, and its tokens equal those of every
+other case of the same model, dtype, max_model_len and block size (other backends, batch
+sizes, TP), unless they part at a near tie (the two best logprobs within TIE of each other).
+
+The matrix is a covering design, not the product: every backend with a small and the default
+max_num_seqs; every max_num_seqs (1/2/8/256), max_model_len (777/2048/8192), block size
+(16/32/64) and dtype (bf16/fp16/fp32) at least once, each beside two backends to compare; the
+8B shape at the sizes reported to crash; TP=2. Small cases run side by side, each engine bounded
+by its gpu_memory_utilization. Writes DIR/gpu_smoke.json and DIR/gpu_smoke.md; prints a row per
+finished case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIE = 0.05  # logprob gap under which two greedy paths may part
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    dtype: str
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    backend: str
+    tp: int = 1
+    utilization: float = 0.1
+    max_num_batched_tokens: int | None = 512
+    enforce_eager: bool = False  # the CPU matrix checks this script, not the warm-up
+    expect_error: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"{self.model} {self.dtype} len{self.max_model_len} bs{self.block_size} "
+                f"seqs{self.max_num_seqs} {self.backend} tp{self.tp}")
+
+    @property
+    def group(self) -> tuple:
+        """Cases whose greedy tokens must agree."""
+        return (self.model, self.dtype, self.max_model_len, self.block_size)
+
+
+def gpu_matrix(num_gpus: int) -> list[Case]:
+    tiny = "llama-tiny"
+    cases = [Case(tiny, "bfloat16", 2048, 16, seqs, backend)
+             for seqs in (1, 256) for backend in ("pallas", "triton", "mosaic", "xla")]
+    cases += [Case(tiny, "float16", 777, 32, 2, backend) for backend in ("pallas", "mosaic", "xla")]
+    cases += [Case(tiny, "float32", 8192, 64, 8, backend) for backend in ("pallas", "triton", "xla")]
+    cases += [Case(tiny, "bfloat16", 8192, 64, 8, backend) for backend in ("mosaic", "triton")]
+    # the 8B shape: the sizes reported to crash in warm-up, and the default
+    big = dict(model="llama-3.1-8b", dtype="bfloat16", max_model_len=2048, block_size=16,
+               utilization=0.3, max_num_batched_tokens=None)
+    cases += [Case(max_num_seqs=8, backend="pallas", **big),
+              Case(max_num_seqs=2, backend="pallas", **big),
+              Case(max_num_seqs=2, backend="triton", **big),
+              Case(max_num_seqs=256, backend="pallas", **big)]
+    if num_gpus >= 2:
+        cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", tp=2) for seqs in (8, 256)]
+    return cases
+
+
+def cpu_matrix() -> list[Case]:
+    small = dict(model="llama-tiny", max_num_batched_tokens=64, enforce_eager=True)
+    return [Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=1,
+                 backend="xla", **small),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
+                 backend="xla", **small),
+            # the Mosaic kernel has no CPU lowering: a case that fails must not end the matrix
+            Case(dtype="bfloat16", max_model_len=777, block_size=16, max_num_seqs=2,
+                 backend="mosaic", expect_error=True, **small)]
+
+
+def prompts_for(case: Case) -> list[list[int]]:
+    """Three prompts, the last near max_model_len, ids clear of the special ones."""
+    lengths = (5, 60, min(400, case.max_model_len - 16))
+    return [[3 + (7 * i + 11 * n) % 4000 for i in range(n)] for n in lengths]
+
+
+# -- one case, in its own process ------------------------------------------------------------
+def run_case(case: Case) -> dict:
+    from jaxllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=case.model, load_format="dummy", dtype=case.dtype,
+              max_model_len=case.max_model_len, block_size=case.block_size,
+              max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
+              attention_backend=case.backend, tensor_parallel_size=case.tp,
+              gpu_memory_utilization=case.utilization, enforce_eager=case.enforce_eager)
+    started = time.perf_counter() - start
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts_for(case)], params,
+                           use_tqdm=False)
+    tokens, tops = [], []
+    for out in outputs:
+        completion = out.outputs[0]
+        tokens.append(list(completion.token_ids))
+        tops.append([sorted((lp.logprob for lp in step.values()), reverse=True)
+                     for step in completion.logprobs])
+    return {"start_s": round(started, 1), "generate_s": round(time.perf_counter() - start
+                                                              - started, 1),
+            "tokens": tokens, "top_logprobs": tops}
+
+
+# -- the matrix ---------------------------------------------------------------------------------
+def _launch(case: Case, out_dir: str, index: int) -> tuple[subprocess.Popen, float]:
+    # the engine sizes jax's pool from its gpu_memory_utilization; set here too, so that cases
+    # side by side fit even where the engine does not
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_PYTHON_CLIENT_MEM_FRACTION=str(case.utilization))
+    log = open(os.path.join(out_dir, f"case_{index:02d}.log"), "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, __file__, "--case", json.dumps(asdict(case))],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    return proc, time.perf_counter()
+
+
+def _finish(case: Case, proc: subprocess.Popen, began: float, out_dir: str, index: int) -> dict:
+    stdout = proc.stdout.read()
+    row = {"case": case.name, **asdict(case), "rc": proc.returncode,
+           "wall_s": round(time.perf_counter() - began, 1)}
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode == 0 and lines:
+        row.update(json.loads(lines[-1][7:]))
+    else:
+        with open(os.path.join(out_dir, f"case_{index:02d}.log")) as f:
+            row["error"] = _last_error(f.read()) or f"rc {proc.returncode}"
+    return row
+
+
+def _last_error(log: str) -> str | None:
+    """The exception line of a traceback in the case's log (else its last line)."""
+    lines = [line for line in log.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
+    return (errors or lines or [None])[-1]
+
+
+def run_matrix(cases: list[Case], out_dir: str, jobs: int, timeout_s: float) -> list[dict]:
+    """Runs cases side by side while their memory shares fit one device (TP cases alone)."""
+    os.makedirs(out_dir, exist_ok=True)
+    pending = list(enumerate(cases))
+    running: dict[int, tuple] = {}
+    rows = []
+    while pending or running:
+        share = sum(case.utilization for case, *_ in running.values())
+        alone = any(case.tp > 1 for case, *_ in running.values())
+        for item in list(pending):
+            index, case = item
+            fits = share + case.utilization <= 0.9 and len(running) < jobs and not alone
+            if fits and (case.tp == 1 or not running):
+                running[index] = (case, *_launch(case, out_dir, index))
+                pending.remove(item)
+                share += case.utilization
+                alone = case.tp > 1
+        time.sleep(0.5)
+        for index, (case, proc, began) in list(running.items()):
+            if proc.poll() is None and time.perf_counter() - began > timeout_s:
+                proc.kill()
+                proc.wait()
+            if proc.poll() is not None:
+                del running[index]
+                rows.append(_finish(case, proc, began, out_dir, index))
+                _print_row(rows[-1])
+    return rows
+
+
+def judge(rows: list[dict]) -> None:
+    """Sets each row's verdict: started, finite logprobs, and greedy agreement in its group."""
+    by_group: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault((row["model"], row["dtype"], row["max_model_len"],
+                             row["block_size"]), []).append(row)
+    for row in rows:
+        if "tokens" not in row:
+            row["verdict"] = "expected error" if row["expect_error"] else "FAIL: " + row["error"]
+            continue
+        if row["expect_error"]:
+            row["verdict"] = "FAIL: started, but an error was expected"
+            continue
+        finite = all(math.isfinite(x) for seq in row["top_logprobs"] for step in seq for x in step)
+        peers = [p for p in by_group[(row["model"], row["dtype"], row["max_model_len"],
+                                      row["block_size"])] if "tokens" in p and p is not row]
+        parted = [p["case"] for p in peers if not _agree(row, p)]
+        row["verdict"] = ("FAIL: non-finite logprobs" if not finite
+                          else f"FAIL: tokens differ from {parted}" if parted
+                          else f"ok ({len(peers)} peers agree)")
+
+
+def _agree(a: dict, b: dict) -> bool:
+    """Equal greedy tokens, or parted first where `a` saw a near tie."""
+    for seq_a, seq_b, tops in zip(a["tokens"], b["tokens"], a["top_logprobs"]):
+        for step, (x, y) in enumerate(zip(seq_a, seq_b)):
+            if x != y:
+                best = tops[step]
+                if not (len(best) > 1 and best[0] - best[1] < TIE):
+                    return False
+                break
+    return True
+
+
+def _print_row(row: dict) -> None:
+    status = "started" if "tokens" in row else f"error: {row.get('error', '')[:120]}"
+    print(f"[{row['wall_s']:6.1f}s] {row['case']:60s} {status}", flush=True)
+
+
+def write_report(rows: list[dict], out_dir: str, wall_s: float) -> bool:
+    ok = all(not row["verdict"].startswith("FAIL") for row in rows)
+    with open(os.path.join(out_dir, "gpu_smoke.json"), "w") as f:
+        json.dump({"ok": ok, "wall_s": wall_s, "cases": rows}, f, indent=1)
+    lines = ["| case | start s | generate s | first tokens | verdict |", "|---|---|---|---|---|"]
+    for row in sorted(rows, key=lambda r: r["case"]):
+        first = row["tokens"][0] if "tokens" in row else "-"
+        lines.append(f"| {row['case']} | {row.get('start_s', '-')} | "
+                     f"{row.get('generate_s', '-')} | {first} | {row['verdict']} |")
+    lines.append(f"\n{len(rows)} cases, {wall_s:.0f} s: {'PASS' if ok else 'FAIL'}")
+    with open(os.path.join(out_dir, "gpu_smoke.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return ok
+
+
+def _num_gpus() -> int:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return len(out.stdout.strip().splitlines()) if out.returncode == 0 else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu_smoke_out")
+    parser.add_argument("--cpu", action="store_true", help="the reduced CPU matrix")
+    parser.add_argument("--jobs", type=int, default=4, help="cases run side by side at most")
+    parser.add_argument("--timeout", type=float, default=300.0, help="per case, seconds")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        print("RESULT " + json.dumps(run_case(Case(**json.loads(args.case)))), flush=True)
+        return 0
+    if args.cpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    cases = cpu_matrix() if args.cpu else gpu_matrix(_num_gpus())
+    start = time.perf_counter()
+    rows = run_matrix(cases, args.out, 1 if args.cpu else args.jobs, args.timeout)
+    judge(rows)
+    return 0 if write_report(rows, args.out, round(time.perf_counter() - start, 1)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""jax's GPU allocator pool sized from gpu_memory_utilization, as vLLM's knob bounds its process.
+
+jax takes its pool when its GPU backend starts, preallocated, as a share of each device
+(XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set), and never grows it. So the share must be
+set before that: `size_allocator_pool` runs when the engine's arguments are made. The pool then
+holds everything the engine allocates (weights, activations, the KV cache, XLA's autotuning
+scratch); only the CUDA context and library handles lie outside it. Two engines at 0.4 each fit
+one device together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+from jax._src import xla_bridge
+
+logger = logging.getLogger(__name__)
+
+FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_DEFAULT_FRACTION = 0.75
+
+
+def size_allocator_pool(gpu_memory_utilization: float) -> None:
+    """Sets the pool to gpu_memory_utilization of each GPU if jax's backend has not started; if
+    it has, with another share, says so (the pool cannot change while the process runs)."""
+    if xla_bridge.backends_are_initialized():
+        _check_started_pool(gpu_memory_utilization)
+        return
+    wanted = f"{gpu_memory_utilization:g}"
+    given = os.environ.get(FRACTION_ENV)
+    if given is not None and float(given) != gpu_memory_utilization:
+        logger.info("%s=%s from the environment replaced by gpu_memory_utilization=%s",
+                    FRACTION_ENV, given, wanted)
+    os.environ[FRACTION_ENV] = wanted
+
+
+def pool_fraction() -> float:
+    """The share of each GPU that jax's pool was (or will be) given."""
+    return float(os.environ.get(FRACTION_ENV, JAX_DEFAULT_FRACTION))
+
+
+def _check_started_pool(gpu_memory_utilization: float) -> None:
+    started = pool_fraction()
+    if jax.default_backend() != "gpu" or abs(started - gpu_memory_utilization) < 1e-6:
+        return
+    effect = ("the process holds more of each GPU than asked" if started > gpu_memory_utilization
+              else "the KV cache is sized within the smaller pool")
+    logger.warning(
+        "jax's GPU backend started before this engine, with an allocator pool of %.2f of each "
+        "GPU (%s; jax's default %.2f when unset), not gpu_memory_utilization=%g: %s. Create the "
+        "engine before any other jax computation, or set %s=%g before jax starts.",
+        started, FRACTION_ENV, JAX_DEFAULT_FRACTION, gpu_memory_utilization, effect,
+        FRACTION_ENV, gpu_memory_utilization)

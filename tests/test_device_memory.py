@@ -1,0 +1,108 @@
+"""gpu_memory_utilization bounds the device memory the process takes: jax's pool is sized from
+it before jax's backend starts, and the KV cache is sized within it. Device memory is mocked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxllm.worker import device_memory, kv_cache
+
+GIB = 1 << 30
+
+
+def test_kv_cache_fills_the_pool_less_weights_activations_and_headroom():
+    # pool = 0.4 of a 100 GiB device; 4 GiB (the floor) stays free for the autotuner
+    budget = kv_cache.kv_cache_budget(40 * GIB, 16 * GIB, 0.4, 2 * GIB, 0.4)
+    assert (budget.device, budget.pool, budget.headroom) == (100 * GIB, 40 * GIB, 4 * GIB)
+    assert budget.kv_cache == 18 * GIB
+    # a large pool keeps a tenth free
+    budget = kv_cache.kv_cache_budget(90 * GIB, 16 * GIB, 0.9, 2 * GIB, 0.9)
+    assert budget.headroom == 9 * GIB and budget.kv_cache == 63 * GIB
+
+
+def test_a_pool_started_larger_than_asked_still_bounds_the_kv_cache_to_the_share():
+    """jax started first with its default 0.75: the engine still uses only 0.4 of the device."""
+    budget = kv_cache.kv_cache_budget(75 * GIB, 16 * GIB, 0.4, 2 * GIB, 0.75)
+    assert budget.kv_cache == 40 * GIB - 18 * GIB
+
+
+def test_a_pool_started_smaller_than_asked_bounds_the_kv_cache_to_the_pool():
+    budget = kv_cache.kv_cache_budget(75 * GIB, 16 * GIB, 0.9, 2 * GIB, 0.75)
+    assert budget.kv_cache == 75 * GIB - int(75 * GIB * 0.1) - 18 * GIB
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_device_memory_available_logs_what_was_taken_and_why(monkeypatch, caplog):
+    device = _Device({"bytes_limit": 57 * GIB, "bytes_in_use": 15 * GIB})
+    monkeypatch.setattr(kv_cache.jax, "devices", lambda: [device])
+    monkeypatch.setenv(device_memory.FRACTION_ENV, "0.4")
+    with caplog.at_level(logging.INFO, logger=kv_cache.__name__):
+        available = kv_cache.device_memory_available(0.4, 1 * GIB)
+    assert available == 57 * GIB - int(57 * GIB * 0.1) - 16 * GIB
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "jax's pool takes 57.00 GiB of the 142.50 GiB device (0.40" in message
+    assert "gpu_memory_utilization=0.4" in message and "weights and buffers 15.00 GiB" in message
+    assert f"KV cache {available / GIB:.2f} GiB" in message
+
+
+def test_pool_set_from_the_share_before_the_backend_starts(monkeypatch, caplog):
+    monkeypatch.setattr(device_memory.xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.delenv(device_memory.FRACTION_ENV, raising=False)
+    device_memory.size_allocator_pool(0.4)
+    assert os.environ[device_memory.FRACTION_ENV] == "0.4"
+    assert device_memory.pool_fraction() == 0.4
+    with caplog.at_level(logging.INFO, logger=device_memory.__name__):
+        device_memory.size_allocator_pool(0.3)  # the user's (or an earlier) value is replaced
+    assert os.environ[device_memory.FRACTION_ENV] == "0.3"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 from the environment replaced" in caplog.text
+
+
+@pytest.mark.parametrize("started,backend,warns", [
+    ("0.75", "gpu", "the process holds more of each GPU than asked"),
+    ("0.2", "gpu", "the KV cache is sized within the smaller pool"),
+    ("0.4", "gpu", None), ("0.75", "cpu", None)])
+def test_a_started_backend_with_another_pool_is_reported_with_the_fix(
+        monkeypatch, caplog, started, backend, warns):
+    monkeypatch.setattr(device_memory.xla_bridge, "backends_are_initialized", lambda: True)
+    monkeypatch.setattr(device_memory.jax, "default_backend", lambda: backend)
+    monkeypatch.setenv(device_memory.FRACTION_ENV, started)
+    with caplog.at_level(logging.WARNING, logger=device_memory.__name__):
+        device_memory.size_allocator_pool(0.4)
+    assert os.environ[device_memory.FRACTION_ENV] == started  # too late to change
+    if warns is None:
+        assert not caplog.records
+    else:
+        assert warns in caplog.text
+        assert "set XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 before jax starts" in caplog.text
+
+
+def test_importing_jaxllm_leaves_the_pool_to_the_engine():
+    """`import jaxllm` no longer fixes jax's pool; a fresh process sees the share it is given."""
+    script = textwrap.dedent("""
+        import os, jaxllm
+        from jaxllm.worker import device_memory
+        assert device_memory.FRACTION_ENV not in os.environ, os.environ[device_memory.FRACTION_ENV]
+        device_memory.size_allocator_pool(0.25)
+        import jax; jax.devices()
+        device_memory.size_allocator_pool(0.25)  # started with it: nothing to say
+        print(os.environ[device_memory.FRACTION_ENV])
+    """)
+    env = {k: v for k, v in os.environ.items() if k != device_memory.FRACTION_ENV}
+    out = subprocess.run([sys.executable, "-c", script], env=dict(env, JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "0.25"

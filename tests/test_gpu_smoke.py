@@ -1,0 +1,71 @@
+"""benchmarks/gpu_smoke.py: its verdicts, and its --cpu matrix end to end (a failing case does not
+end the matrix)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import gpu_smoke  # noqa: E402
+
+
+def _row(backend, tokens, tops, **extra):
+    case = gpu_smoke.Case("llama-tiny", "bfloat16", 2048, 16, 8, backend)
+    row = {"case": case.name, **gpu_smoke.asdict(case), "tokens": tokens, "top_logprobs": tops}
+    row.update(extra)
+    return row
+
+
+def test_judge_accepts_agreement_and_near_ties_only():
+    tops = [[[-0.1, -3.0], [-0.2, -0.21], [-0.1, -2.0]]]  # a near tie at step 1
+    rows = [_row("pallas", [[5, 6, 7]], tops), _row("triton", [[5, 6, 7]], tops),
+            _row("xla", [[5, 9, 7]], tops), _row("mosaic", [[8, 6, 7]], tops)]
+    gpu_smoke.judge(rows)
+    verdicts = {row["backend"]: row["verdict"] for row in rows}
+    assert verdicts["pallas"].startswith("FAIL") and "mosaic" in verdicts["pallas"]
+    assert verdicts["xla"].startswith("FAIL") and "mosaic" in verdicts["xla"]
+    assert verdicts["mosaic"].startswith("FAIL")  # parts at step 0, no tie there
+
+
+def test_judge_flags_non_finite_logprobs_and_unexpected_outcomes():
+    rows = [_row("pallas", [[5]], [[[float("nan"), -1.0]]]),
+            _row("triton", [[5]], [[[-0.5, -1.0]]], expect_error=True),
+            {**_row("xla", [[5]], []), "error": "ValueError: boom"}]
+    del rows[2]["tokens"]
+    gpu_smoke.judge(rows)
+    assert [row["verdict"] for row in rows] == [
+        "FAIL: non-finite logprobs", "FAIL: started, but an error was expected",
+        "FAIL: ValueError: boom"]
+
+
+def test_matrix_covers_every_value_of_every_axis():
+    cases = gpu_smoke.gpu_matrix(num_gpus=2)
+    for axis, values in (("max_num_seqs", {1, 2, 8, 256}), ("max_model_len", {777, 2048, 8192}),
+                         ("block_size", {16, 32, 64}),
+                         ("dtype", {"bfloat16", "float16", "float32"}),
+                         ("backend", {"pallas", "triton", "mosaic", "xla"}), ("tp", {1, 2})):
+        assert {getattr(case, axis) for case in cases} == values, axis
+    for backend in ("pallas", "triton", "mosaic", "xla"):  # each with small and default seqs
+        assert {c.max_num_seqs for c in cases if c.backend == backend} & {1, 2, 8}
+        assert 256 in {c.max_num_seqs for c in cases if c.backend == backend}
+    assert not [c for c in cases if c.backend == "mosaic" and c.dtype == "float32"]
+    assert {c.tp for c in gpu_smoke.gpu_matrix(num_gpus=1)} == {1}
+
+
+def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_smoke.py"),
+                          "--cpu", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(tmp_path / "gpu_smoke.json") as f:
+        report = json.load(f)
+    verdicts = sorted(row["verdict"] for row in report["cases"])
+    assert report["ok"] and verdicts == ["expected error", "ok (1 peers agree)",
+                                         "ok (1 peers agree)"], verdicts
+    assert (tmp_path / "gpu_smoke.md").read_text().count("| llama-tiny") == 3
+    assert out.stdout.count("llama-tiny") >= 6  # a progress row per case, then the table
