@@ -44,8 +44,10 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    # On CPU there is no device memory to measure: the KV pool gets this many bytes.
-    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    # The KV cache's bytes per device, instead of measuring what gpu_memory_utilization leaves
+    # (vLLM's --kv-cache-memory-bytes); None: measured on a GPU, kv_cache.CPU_KV_CACHE_BYTES on
+    # a CPU, which has no device memory to measure.
+    kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -53,6 +55,9 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}.")

@@ -141,7 +141,7 @@ def cache_config_info(core) -> dict:
             "enable_prefix_caching": False, "gpu_memory_utilization": cache.gpu_memory_utilization,
             "num_gpu_blocks": core.get_stats()["num_blocks"],
             "num_gpu_blocks_override": cache.num_gpu_blocks_override,
-            "cpu_kv_cache_bytes": cache.cpu_kv_cache_bytes}
+            "kv_cache_memory_bytes": cache.kv_cache_memory_bytes}
 
 
 def run_serve(args: argparse.Namespace) -> None:

@@ -108,11 +108,15 @@ def test_a_back_pointing_import_is_caught(module, source):
 def test_the_wheel_installs_no_top_level_server_or_sharding(tmp_path):
     """server/ and sharding/ install as jaxllm.server and jaxllm.sharding only: the built wheel
     holds no top-level server or sharding package."""
+    import shutil
     import subprocess
     import sys
     import zipfile
+    source = tmp_path / "src"  # a copy: building writes build/ and egg-info beside the sources
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".old", ".whl", ".gpu", "__pycache__", "build", "*.egg-info"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", ROOT, "-w", str(tmp_path)], check=True,
+                    "--no-build-isolation", str(source), "-w", str(tmp_path)], check=True,
                    capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("jaxllm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -12,6 +12,7 @@ import jax
 from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
                            ParallelConfig, RunnerConfig, SchedulerConfig)
 from jaxllm.loader.loader import read_hf_config, resolve_model_path
+from jaxllm.worker import device_memory
 
 
 @dataclass
@@ -22,7 +23,7 @@ class EngineArgs:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
     # None: max(2048, max_num_seqs) on GPU; max(512, max_num_seqs) on CPU, where compiling the
     # larger token buckets of an unrolled model takes minutes
@@ -42,7 +43,12 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
-        cache), reads its config and validates every setting: before any weight is loaded."""
+        cache), reads its config and validates every setting: before any weight is loaded. First
+        of all it sizes jax's GPU pool from gpu_memory_utilization, before jax's backend starts."""
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        device_memory.size_allocator_pool(self.gpu_memory_utilization)
         model_path = resolve_model_path(self.model, self.load_format)
         hf_config = read_hf_config(model_path, self.load_format)
         max_model_len = self.max_model_len or hf_config.get("max_position_embeddings", 2048)
@@ -57,7 +63,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                cpu_kv_cache_bytes=self.cpu_kv_cache_bytes),
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len),
@@ -136,7 +142,7 @@ def parse_dtype(value: str) -> str:
 _ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),
             "enable_expert_parallel": ("-ep",)}
 _FLAG_TYPES = {"max_model_len": parse_max_model_len, "max_num_batched_tokens": human_readable_int,
-               "cpu_kv_cache_bytes": human_readable_int}
+               "kv_cache_memory_bytes": human_readable_int}
 
 
 def _flag_options(f) -> dict:
@@ -205,7 +211,7 @@ ENGINE_FLAGS_NOT_IMPLEMENTED = (
     "--enable-dbo", "--ubatch-size", "--dbo-decode-token-threshold",
     "--dbo-prefill-token-threshold", "--disable-nccl-for-dp-synchronization", "--enable-eplb",
     "--eplb-config", "--expert-placement-strategy", "--ray-workers-use-nsight", "--worker-cls",
-    "--worker-extension-cls", "--kv-cache-memory-bytes", "--enable-prefix-caching",
+    "--worker-extension-cls", "--enable-prefix-caching",
     "--prefix-caching-hash-algo", "--cpu-offload-gb", "--calculate-kv-scales",
     "--kv-sharing-fast-prefill", "--mamba-cache-dtype", "--mamba-ssm-cache-dtype",
     "--mamba-block-size", "--mamba-cache-mode", "--kv-offloading-size", "--kv-offloading-backend",

@@ -3,14 +3,13 @@ the memory left, the runner warmed up; and which engine a parallel layout needs.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 
 import jax
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine import compilation_cache
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.dp_engine import DPEngine
 from jaxllm.engine.engine_core import EngineCore
@@ -44,7 +43,7 @@ def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
 def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> EngineCore:
     """TP (and EP within it) runs on `mesh`; a mesh with DP > 1 rows is DP attention: one
     scheduler and KV pool per rank, one step."""
-    _enable_compilation_cache(config.runner_config.compilation_cache_dir)
+    compilation_cache.enable(config.runner_config.compilation_cache_dir)
     mesh = mesh if mesh is not None else engine_mesh(config)
     dp_size = 1 if mesh is None else mesh.shape["data"]
     sharded = load_for_engine(config, mesh)
@@ -93,19 +92,17 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
 
 def _measure_num_blocks(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                         block_bytes: int) -> int:
-    """On a GPU: the blocks that fit in the memory gpu_memory_utilization leaves after the
-    weights and a profiled step's activations; on a CPU a fixed budget."""
+    """kv_cache_memory_bytes when given (vLLM's override of the measurement); else on a GPU the
+    blocks that fit in the memory gpu_memory_utilization leaves after the weights and a profiled
+    step's activations, and on a CPU a fixed budget."""
     cache = config.cache_config
+    if cache.kv_cache_memory_bytes is not None:
+        return max(cache.kv_cache_memory_bytes // block_bytes, 0)
     if kv_cache.device_memory_limit() is None:
-        return max(cache.cpu_kv_cache_bytes // block_bytes, 0)
+        return max(kv_cache.CPU_KV_CACHE_BYTES // block_bytes, 0)
     probe = _make_runner(config, sharded, dp_size, 2)
     available = kv_cache.device_memory_available(cache.gpu_memory_utilization,
                                                  probe.activation_bytes())
     del probe
     return max(int(available // block_bytes), 0)
 
-
-def _enable_compilation_cache(path: str | None) -> None:
-    if path:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -13,6 +13,7 @@ from jaxllm.worker.device_memory import pool_fraction
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # a CPU has no device memory to measure
 # Of jax's pool, kept free whatever the share: XLA's autotuner takes its buffers from the pool
 # while warm-up compiles, after the KV cache is allocated; an 8B model's autotuning needs a
 # few GB of it.
@@ -98,5 +99,5 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, block_bytes
         f"{needed:.3f} GiB KV cache is needed, which is larger than the available KV cache "
         f"memory ({available:.3f} GiB). Based on the available memory, the estimated maximum "
         f"model length is {estimated_max_len}. Try increasing `gpu_memory_utilization` "
-        f"(or `num_gpu_blocks_override`, or the CPU KV budget) or decreasing `max_model_len` "
+        f"(or `kv_cache_memory_bytes`, or `num_gpu_blocks_override`) or decreasing `max_model_len` "
         f"when initializing the engine.")
