@@ -46,6 +46,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # On CPU there is no device memory to measure: the KV pool gets this many bytes.
     cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    # Reuse the KV of full blocks whose prefix was computed before (vLLM: on by default).
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash (needs the xxhash package)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -53,6 +56,9 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.prefix_caching_hash_algo not in ("sha256", "xxhash"):
+            raise ValueError("prefix_caching_hash_algo must be 'sha256' or 'xxhash', got "
+                             f"{self.prefix_caching_hash_algo!r}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}.")
