@@ -48,6 +48,9 @@ class CacheConfig:
     # (vLLM's --kv-cache-memory-bytes); None: measured on a GPU, kv_cache.CPU_KV_CACHE_BYTES on
     # a CPU, which has no device memory to measure.
     kv_cache_memory_bytes: int | None = None
+    # Reuse the KV of full blocks whose prefix was computed before (vLLM: on by default).
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash (needs the xxhash package)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -58,6 +61,9 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
+        if self.prefix_caching_hash_algo not in ("sha256", "xxhash"):
+            raise ValueError("prefix_caching_hash_algo must be 'sha256' or 'xxhash', got "
+                             f"{self.prefix_caching_hash_algo!r}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}.")

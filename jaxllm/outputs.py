@@ -40,3 +40,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     metrics: dict = field(default_factory=dict)
+    # Prompt tokens found in the prefix cache at admission (n > 1: the first sample's); None
+    # before the request was first scheduled.
+    num_cached_tokens: int | None = None

@@ -109,6 +109,15 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> Starlette:
     async def metrics(request: Request) -> Response:
         return serving.metrics.render(serving.engine.get_stats())
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's: 200 once every cached prefix is forgotten, 409 while requests hold KV."""
+        if request.query_params.get("reset_running_requests", "false").lower() != "false":
+            raise OpenAIError("reset_running_requests is not supported.",
+                              param="reset_running_requests")
+        if not await serving.engine.reset_prefix_cache():
+            raise OpenAIError("Prefix cache reset failed.", HTTPStatus.CONFLICT)
+        return Response(status_code=200)
+
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
@@ -118,6 +127,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/version", get_version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={
         OpenAIError: _openai_error,

@@ -83,6 +83,7 @@ SERVER_FLAGS_NO_EFFECT = (
     ("--max-log-len", True),
     ("--disable-frontend-multiprocessing", False),  # one process already
     ("--disable-fastapi-docs", False),  # no docs pages to disable
+    ("--enable-prompt-tokens-details", False),  # usage always has them, as OpenAI's
 )
 SERVER_FLAGS_DEFAULT_ONLY = (
     ("--response-role", "assistant"),
@@ -96,7 +97,7 @@ SERVER_FLAGS_NOT_IMPLEMENTED = (
     "--chat-template-content-format", "--trust-request-chat-template",
     "--default-chat-template-kwargs", "--return-tokens-as-token-ids", "--enable-auto-tool-choice",
     "--exclude-tools-when-tool-choice-none", "--tool-call-parser", "--tool-parser-plugin",
-    "--tool-server", "--log-config-file", "--enable-prompt-tokens-details",
+    "--tool-server", "--log-config-file",
     "--enable-per-request-metrics", "--enable-server-load-tracking",
     "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--enable-log-outputs",
     "--log-error-stack", "--tokens-only", "--headless", "--config", "--fingerprint-mode",
@@ -138,7 +139,8 @@ def cache_config_info(core) -> dict:
     """vLLM's cache_config_info labels, as far as jaxllm has them."""
     cache = core.config.cache_config
     return {"block_size": cache.block_size, "cache_dtype": "auto",
-            "enable_prefix_caching": False, "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
             "num_gpu_blocks": core.get_stats()["num_blocks"],
             "num_gpu_blocks_override": cache.num_gpu_blocks_override,
             "kv_cache_memory_bytes": cache.kv_cache_memory_bytes}

@@ -60,6 +60,10 @@ _ENGINE_COUNTERS = (
     ("generation_tokens", "generation_tokens_total", "Number of generation tokens processed."),
     ("num_requests_aborted", "num_aborted_total",
      "Number of requests aborted before they finished (client disconnects included)."),
+    ("prefix_cache_queries", "prefix_cache_queries_total",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("prefix_cache_hits", "prefix_cache_hits_total",
+     "Prefix cache hits, in terms of number of cached tokens."),
 )
 
 

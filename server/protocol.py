@@ -43,6 +43,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens
+    # vLLM's extension: requests share cached prefix KV only under the same salt (tenants).
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -109,10 +111,15 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
+class PromptTokenUsageInfo(msgspec.Struct):
+    cached_tokens: int  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class ModelCard(msgspec.Struct):

@@ -16,8 +16,8 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogpr
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.server.errors import OpenAIError, error_body
 from jaxllm.server.metrics import RequestTimer, ServerMetrics
-from jaxllm.server.protocol import (LogprobEntry, ModelCard, ModelList, PromptLogprobs, SamplingFields,
-                             UsageInfo)
+from jaxllm.server.protocol import (LogprobEntry, ModelCard, ModelList, PromptLogprobs,
+                                   PromptTokenUsageInfo, SamplingFields, UsageInfo)
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
@@ -117,14 +117,19 @@ class OpenAIServing:
 
     # -- streams --------------------------------------------------------------------------------
     async def start(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
-                    request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+                    request_id: str,
+                    cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submits every prompt; returns once all were accepted (errors become 4xx/503 here).
 
         The returned iterator yields (prompt index, cumulative output) and records latency
         metrics; closing it early aborts whatever is unfinished.
         """
         timers = [self.metrics.timer(params) for _ in prompts]
-        streams = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt=text)
+        if cache_salt is not None and not cache_salt:
+            raise OpenAIError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                              param="cache_salt")
+        streams = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt=text,
+                                        cache_salt=cache_salt)
                    for i, (ids, text) in enumerate(prompts)]
         firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
         error = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -194,7 +199,9 @@ def _default(value, default):
 def usage(outputs: list[RequestOutput]) -> UsageInfo:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    cached_tokens = sum(o.num_cached_tokens or 0 for o in outputs)
+    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                     PromptTokenUsageInfo(cached_tokens))
 
 
 def top_entries(step: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:

@@ -87,7 +87,8 @@ class ChatServing:
         params = self.serving.sampling_params(request, max_tokens, len(prompt_ids), num_logprobs,
                                               request.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self.serving.start([(prompt_ids, text)], params, request_id)
+        outputs = await self.serving.start([(prompt_ids, text)], params, request_id,
+                                           request.cache_salt)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(self._stream(request, outputs, request_id, model,

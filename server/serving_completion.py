@@ -38,7 +38,7 @@ class CompletionServing:
         params = self.serving.sampling_params(request, request.max_tokens, longest,
                                               request.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = await self.serving.start(prompts, params, request_id)
+        outputs = await self.serving.start(prompts, params, request_id, request.cache_salt)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(

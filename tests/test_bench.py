@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxllm.bench import roofline, serve
-from jaxllm.bench.datasets import random_requests, sharegpt_requests
+from jaxllm.bench.datasets import (multi_turn_requests, prefix_repetition_requests,
+                                   random_requests, sharegpt_requests)
 from jaxllm.cli import main
 from jaxllm.models.args import ModelArgs
 from jaxllm.models.presets import PRESETS
@@ -33,6 +34,46 @@ def test_random_dataset_lengths_ids_and_seed():
         random_requests(5, 7, 3, 50, range_ratio=1.0)
     with pytest.raises(ValueError, match="num_prompts"):
         random_requests(0, 7, 3, 50)
+
+
+def test_random_prefix_and_prefix_repetition_datasets():
+    shared = random_requests(6, 5, 3, vocab_size=50, prefix_len=12, seed=1)
+    assert all(r.prompt[:12] == shared[0].prompt[:12] and r.prompt_len == 17 == len(r.prompt)
+               for r in shared)
+    requests = prefix_repetition_requests(10, 16, 4, 3, 7, vocab_size=1000, seed=2)
+    prefixes = [tuple(r.prompt[:16]) for r in requests]
+    assert len(requests) == 10 and len(set(prefixes)) == 3
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [3, 3, 4]
+    assert {(r.prompt_len, r.expected_output_len, len(r.prompt)) for r in requests} == {(20, 7, 20)}
+    assert prefixes != sorted(prefixes)  # shuffled
+    with pytest.raises(ValueError, match="num_prefixes"):
+        prefix_repetition_requests(2, 16, 4, 3, 7, 1000)
+
+
+def test_multi_turn_dataset_and_throughput_rounds():
+    from jaxllm.bench.throughput import run_throughput
+    from jaxllm.outputs import CompletionOutput, RequestOutput
+
+    requests = multi_turn_requests(7, 3, 5, 2, vocab_size=100, system_len=4, seed=0)
+    assert [r.conversation for r in requests] == [0, 0, 0, 1, 1, 1]  # 7 // 3 conversations
+    assert requests[0].prompt_len == 9 and requests[1].prompt_len == 5
+    assert requests[0].prompt[:4] == requests[3].prompt[:4]  # one system prompt
+
+    class EchoLLM:
+        """Answers every prompt with [len(prompt)] * max_tokens; records the prompts."""
+        prompts: list = []
+
+        def generate(self, prompts, params, use_tqdm=True):
+            self.prompts += [p["prompt_token_ids"] for p in prompts]
+            return [RequestOutput("x", None, p["prompt_token_ids"], [CompletionOutput(
+                0, "", [len(p["prompt_token_ids"])] * sp.max_tokens)], True)
+                for p, sp in zip(prompts, params)]
+
+    llm = EchoLLM()
+    result = run_throughput(llm, requests, use_tqdm=False)
+    assert result["num_requests"] == 6 and result["total_output_tokens"] == 12
+    first, second = llm.prompts[0], llm.prompts[2]  # conversation 0, turns 1 and 2
+    assert second == first + [9, 9] + requests[1].prompt
 
 
 def test_sharegpt_dataset_filters_and_lengths(tmp_path, tiny_tokenizer):

@@ -45,6 +45,15 @@ def test_vllm_launch_line():
     assert engine_args.dtype == "float16" and engine_args.max_model_len == 4000
 
 
+def test_prefix_caching_flags():
+    assert EngineArgs.from_cli_args(parse("m")).enable_prefix_caching is True
+    args = EngineArgs.from_cli_args(parse("m --no-enable-prefix-caching"))
+    assert args.enable_prefix_caching is False
+    args = EngineArgs.from_cli_args(parse("m --enable-prefix-caching --prefix-caching-hash-algo "
+                                          "xxhash"))
+    assert (args.enable_prefix_caching, args.prefix_caching_hash_algo) == (True, "xxhash")
+
+
 def test_long_flag_names_and_defaults():
     args = parse("m --tensor-parallel-size 4 --data-parallel-size 1 --enforce-eager")
     assert (args.tensor_parallel_size, args.data_parallel_size, args.enforce_eager) == (4, 1, True)
@@ -96,7 +105,6 @@ def test_served_model_name_keeps_the_positional_model():
 
 @pytest.mark.parametrize("line, flag", [
     ("--quantization awq", "--quantization"), ("-q awq", "--quantization"),
-    ("--enable-prefix-caching", "--enable-prefix-caching"),
     ("--tool-call-parser hermes", "--tool-call-parser"),
     ("--enable-auto-tool-choice", "--enable-auto-tool-choice"),
     ("--speculative-config {}", "--speculative-config"),

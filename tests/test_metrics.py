@@ -28,10 +28,11 @@ VLLM_SERIES = {
     "request_generation_tokens": "histogram", "request_max_num_generation_tokens": "histogram",
     "request_params_n": "histogram", "request_params_max_tokens": "histogram",
     "cache_config_info": "gauge",
+    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
 }
 STATS = {"num_running": 1, "num_waiting": 2, "kv_cache_usage": 0.25, "num_free_blocks": 7,
          "num_preemptions_total": 3, "prompt_tokens_total": 11, "generation_tokens_total": 13,
-         "num_aborted_total": 1}
+         "num_aborted_total": 1, "prefix_cache_queries_total": 40, "prefix_cache_hits_total": 16}
 CACHE_INFO = {"block_size": 16, "num_gpu_blocks": 64, "gpu_memory_utilization": 0.9}
 
 
@@ -70,6 +71,8 @@ def test_every_series_under_both_prefixes_with_vllms_labels():
     assert value(found, "vllm:gpu_cache_usage_perc") == 0.25
     assert value(found, "jaxllm:prompt_tokens", "_total") == 11
     assert value(found, "vllm:num_preemptions", "_total") == 3
+    assert value(found, "jaxllm:prefix_cache_queries", "_total") == 40
+    assert value(found, "vllm:prefix_cache_hits", "_total") == 16
     reasons = {s.labels["finished_reason"] for s in found["vllm:request_success"].samples
                if s.name.endswith("_total")}
     assert reasons == {"stop", "length", "abort", "error", "repetition"}
@@ -155,6 +158,10 @@ def server(tiny_llama_dir):
     remote.close()
 
 
+def tokenizer_ids(server, text: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=10).json()["tokens"]
+
+
 def test_counts_follow_requests(server):
     def get() -> dict:
         return families(httpx.get(server.url + "/metrics", timeout=10).text)
@@ -176,6 +183,11 @@ def test_counts_follow_requests(server):
     assert moved("jaxllm:request_success", "_total", finished_reason="length") == 3
     assert moved("vllm:generation_tokens", "_total") == 3 * MAX_TOKENS
     assert moved("vllm:prompt_tokens", "_total") > 0
+    # Each of the three sequences looks its prompt up (the n = 2 pair counts twice).
+    assert moved("vllm:prefix_cache_queries", "_total") == (
+        2 * len(tokenizer_ids(server, "hello world")) + len(tokenizer_ids(server, "the lazy dog")))
+    assert 0 <= moved("jaxllm:prefix_cache_hits", "_total") <= moved(
+        "jaxllm:prefix_cache_queries", "_total")
     assert moved("vllm:time_to_first_token_seconds", "_count") == 2
     assert moved("vllm:e2e_request_latency_seconds", "_count") == 3
     assert moved("vllm:inter_token_latency_seconds", "_count") == 3 * (MAX_TOKENS - 1)
@@ -186,4 +198,5 @@ def test_counts_follow_requests(server):
     assert value(after, "vllm:kv_cache_usage_perc") == 0
     info = after["vllm:cache_config_info"].samples[0].labels
     assert (info["block_size"], info["num_gpu_blocks"]) == ("8", "64")
+    assert info["enable_prefix_caching"] == "True"
     assert {s.labels["model_name"] for s in after["vllm:prompt_tokens"].samples} == {"tiny"}

@@ -67,10 +67,14 @@ class RunnerViewScheduler(Scheduler):
 
 
 def make_scheduler(num_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=64):
+                   max_model_len=64, enable_prefix_caching=False):
+    """Prefix caching off unless asked: these tests pin exact grants and block ids
+    (tests/test_prefix_caching.py has caching's)."""
     return RunnerViewScheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens,
                                                max_model_len),
-                               CacheConfig(block_size=block_size), num_blocks)
+                               CacheConfig(block_size=block_size,
+                                           enable_prefix_caching=enable_prefix_caching),
+                               num_blocks)
 
 
 def make_request(request_id, num_prompt_tokens, **params):

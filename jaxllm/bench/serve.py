@@ -20,7 +20,8 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxllm.bench.datasets import SampleRequest, add_dataset_args, sample_requests
+from jaxllm.bench.datasets import (ConversationHistory, SampleRequest, add_dataset_args,
+                                   conversations, sample_requests)
 
 _TIMEOUT = httpx.Timeout(6 * 3600.0, connect=60.0)
 
@@ -35,6 +36,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     error: str = ""
+    token_ids: list[int] = field(default_factory=list)  # only when asked (multi-turn)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -62,10 +64,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 # -- one request --------------------------------------------------------------------------------
 async def send_request(client: httpx.AsyncClient, url: str, model: str, request: SampleRequest,
-                       ignore_eos: bool, headers: dict) -> RequestResult:
+                       ignore_eos: bool, headers: dict,
+                       return_token_ids: bool = False) -> RequestResult:
     payload = {"model": model, "prompt": request.prompt, "max_tokens":
                request.expected_output_len, "temperature": 0.0, "stream": True,
                "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if return_token_ids:  # vLLM's extension: the next turn resends them
+        payload["return_token_ids"] = True
     result = RequestResult(request.prompt_len)
     start = last = time.perf_counter()
     try:
@@ -88,6 +93,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
                         result.itl.append(now - last)
                     last = now
                     result.generated_text += data["choices"][0].get("text") or ""
+                    result.token_ids += data["choices"][0].get("token_ids") or []
                 if data.get("usage"):
                     result.output_tokens = data["usage"].get("completion_tokens")
         result.latency = last - start
@@ -131,20 +137,38 @@ async def benchmark(base_url: str, endpoint: str, model: str, requests: list[Sam
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), disable=not use_tqdm)
 
+        multi_turn = requests[0].conversation is not None
+
         async def limited(request: SampleRequest) -> RequestResult:
             if semaphore is None:
-                result = await send_request(client, url, model, request, ignore_eos, headers)
+                result = await send_request(client, url, model, request, ignore_eos, headers,
+                                            multi_turn)
             else:
                 async with semaphore:
                     result = await send_request(client, url, model, request, ignore_eos,
-                                                headers)
+                                                headers, multi_turn)
             bar.update(1)
             return result
 
+        async def converse(turns: list[SampleRequest]) -> list[RequestResult]:
+            """A conversation's turns one after the other, each resending it so far."""
+            history, results = ConversationHistory(), []
+            for turn in turns:
+                prompt = history.prompt(turn)
+                results.append(await limited(SampleRequest(prompt, len(prompt),
+                                                           turn.expected_output_len)))
+                history.record(turn, prompt, results[-1].token_ids)
+            return results
+
         start = time.perf_counter()
-        tasks = [asyncio.create_task(limited(r))
-                 async for r in arrivals(requests, request_rate, burstiness, seed)]
-        results = await asyncio.gather(*tasks)
+        if multi_turn:  # conversations arrive at the request rate
+            tasks = [asyncio.create_task(converse(turns)) async for turns in arrivals(
+                conversations(requests), request_rate, burstiness, seed)]
+            results = [r for turns in await asyncio.gather(*tasks) for r in turns]
+        else:
+            tasks = [asyncio.create_task(limited(r))
+                     async for r in arrivals(requests, request_rate, burstiness, seed)]
+            results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
     metrics = calculate_metrics(results, duration, tokenizer, percentiles)

@@ -10,7 +10,8 @@ import json
 import time
 
 from jaxllm.bench import roofline
-from jaxllm.bench.datasets import SampleRequest, add_dataset_args, sample_requests
+from jaxllm.bench.datasets import (ConversationHistory, SampleRequest, add_dataset_args,
+                                   conversations, sample_requests)
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -45,12 +46,35 @@ def engine_prompt(request: SampleRequest):
     return {"prompt_token_ids": request.prompt}
 
 
+def _params(requests: list[SampleRequest]) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
+                           max_tokens=r.expected_output_len) for r in requests]
+
+
+def _run_conversations(llm, requests: list[SampleRequest], use_tqdm: bool) -> list:
+    """Multi-turn: every conversation's turn k in one batch, then turn k + 1 with each
+    conversation so far (outputs included) as its prompt."""
+    turns = conversations(requests)
+    history, outputs = ConversationHistory(), []
+    for k in range(max(map(len, turns))):
+        batch = [t[k] for t in turns if k < len(t)]
+        prompts = [history.prompt(r) for r in batch]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(batch),
+                               use_tqdm=use_tqdm)
+        for request, prompt, result in zip(batch, prompts, results):
+            history.record(request, prompt, result.outputs[0].token_ids)
+        outputs += results
+    return outputs
+
+
 def run_throughput(llm, requests: list[SampleRequest], use_tqdm: bool = True) -> dict:
     """Generates every request's expected_output_len tokens (ignore_eos); returns vLLM's keys."""
-    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
-                             max_tokens=r.expected_output_len) for r in requests]
     start = time.perf_counter()
-    outputs = llm.generate([engine_prompt(r) for r in requests], params, use_tqdm=use_tqdm)
+    if requests[0].conversation is None:
+        outputs = llm.generate([engine_prompt(r) for r in requests], _params(requests),
+                               use_tqdm=use_tqdm)
+    else:
+        outputs = _run_conversations(llm, requests, use_tqdm)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)

@@ -2,11 +2,11 @@
 
 Block 0 is reserved: padding tokens write their K/V there, so it is never handed out.
 
-The free queue is ordered for eviction: `get_new_blocks` takes from the front, freed blocks are
-appended at the back. Once hash-based prefix caching exists, a free block may still hold a
-cached prefix (it keeps its `block_hash`); a prefix hit then `touch`es it out of the middle of
-the queue (hence the doubly-linked list) and an allocation that reuses it evicts its hash.
-Sharing (prefix hits, the prompt blocks of n > 1 samples) is a `touch`: ref_cnt + 1.
+The free queue is ordered for eviction (least recently used first): `get_new_blocks` takes
+from the front, freed blocks are appended at the back. With prefix caching a free block may
+still hold a cached prefix (it keeps its `block_hash`); a prefix hit then `touch`es it out of the
+middle of the queue (hence the doubly-linked list) and an allocation that reuses it evicts its
+hash. Sharing (prefix hits, the prompt blocks of n > 1 samples) is a `touch`: ref_cnt + 1.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         # Hash of the full block's tokens (and its prefix), set by prefix caching; None: uncached.
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
 
@@ -83,8 +83,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        # block_hash -> block holding that full, computed block (filled by prefix caching).
-        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # block_hash -> the block holding that full block's KV (filled by prefix caching).
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,6 +111,27 @@ class BlockPool:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_blocks(self, blocks: Iterable[KVCacheBlock],
+                          block_hashes: Iterable[bytes]) -> None:
+        """Names full blocks by their hashes. A block whose hash another block already holds
+        (the same prefix computed twice) stays unnamed: one block per hash."""
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; refused (False) while any block is held, as vLLM."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Shares blocks: ref_cnt + 1, taking a free (cached) block out of the free queue."""

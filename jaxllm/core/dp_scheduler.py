@@ -81,4 +81,6 @@ class DPScheduler:
         stats = [rank.make_stats() for rank in self.ranks]
         return SchedulerStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                               sum(s.kv_cache_usage for s in stats) / len(stats),
-                              sum(s.num_preemptions_total for s in stats))
+                              sum(s.num_preemptions_total for s in stats),
+                              sum(s.prefix_cache_queries_total for s in stats),
+                              sum(s.prefix_cache_hits_total for s in stats))

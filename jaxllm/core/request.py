@@ -31,7 +31,8 @@ _FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, arrival_time: float | None = None) -> None:
+                 sampling_params: SamplingParams, arrival_time: float | None = None,
+                 cache_salt: str | None = None, share_group: int | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -45,6 +46,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prefix caching: requests share KV only under the same salt (tenants); share_group
+        # lets the n > 1 children of one request share their prompt with caching off.
+        self.cache_salt = cache_salt
+        self.share_group = share_group
+        self.block_hashes: list[bytes] = []  # of its full blocks of known tokens, in order
+        self.num_cached_tokens: int | None = None  # prefix cache hit at its first admission
 
     @property
     def num_prompt_tokens(self) -> int:

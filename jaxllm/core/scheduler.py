@@ -7,6 +7,11 @@ the pool runs out of blocks for a running request, the newest running request is
 recompute: its blocks are freed and it goes back to the front of the waiting queue with
 num_computed_tokens = 0 (its prompt is now all its tokens so far).
 
+Prefix caching (kv_cache_manager.py): a request being admitted (or resumed) starts at the
+longest cached run of its full blocks, so its NewRequestData has num_computed_tokens > 0 and the
+grant covers only the rest; a preempted request finds its own freed blocks again if they were
+not reused meanwhile.
+
 The step contract (SchedulerOutput): a request the runner does not hold yet (admitted, or
 resumed after preemption) comes once as NewRequestData with everything the runner needs; a
 continuing one as CachedRequestData with only its new block ids and num_computed_tokens. The
@@ -95,6 +100,8 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of usable blocks in use
     num_preemptions_total: int
+    prefix_cache_queries_total: int = 0  # tokens of admitted requests looked up
+    prefix_cache_hits_total: int = 0  # of those, tokens found cached
 
 
 class Scheduler:
@@ -105,7 +112,9 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.num_gpu_blocks = num_gpu_blocks
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching,
+                                               cache_config.prefix_caching_hash_algo)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest admission first; preemption takes the last
@@ -202,16 +211,17 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted with a token in flight: recompute
                 break  # only once that token is known (after update_from_output)
-            num_new_tokens = self._num_new_tokens(request, token_budget)
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            if new_block_ids is None:
+            num_new_tokens = self._admit(request, token_budget)
+            if num_new_tokens is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             running.append(request)
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.output_token_ids.copy(),
-                request.sampling_params, new_block_ids, request.num_computed_tokens))
+                request.sampling_params,
+                list(self.kv_cache_manager.get_block_ids(request.request_id)),
+                request.num_computed_tokens))
             grants.append(self._grant(request, num_new_tokens, num_scheduled))
             token_budget -= num_new_tokens
 
@@ -223,12 +233,28 @@ class Scheduler:
                                self.max_num_batched_tokens - token_budget, {}, finished_ids,
                                preempted_ids)
 
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+    def _admit(self, request: Request, token_budget: int) -> int | None:
+        """Gives a waiting request its cached prefix blocks and the blocks of its first grant;
+        returns the grant's size, or None, changing nothing, when the pool cannot hold them."""
+        kv = self.kv_cache_manager
+        computed_blocks, num_cached = kv.get_computed_blocks(request)
+        num_new_tokens = self._num_new_tokens(request, token_budget, num_cached)
+        if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            return None
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
+            kv.record_admission(request, num_cached)
+        return num_new_tokens
+
+    def _num_new_tokens(self, request: Request, token_budget: int,
+                        num_computed: int | None = None) -> int:
         if request.num_output_placeholders and self._length_capped(
                 request.num_tokens_with_placeholders,
                 request.num_output_tokens + request.num_output_placeholders, request):
             return 0  # its token in flight is its last, whatever its id
-        num_computed = request.num_computed_tokens
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
         return min(request.num_tokens_with_placeholders - num_computed, token_budget,
                    self.max_model_len - num_computed)
 
@@ -333,6 +359,11 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (nothing changes) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting),
-                              self.kv_cache_manager.usage, self.num_preemptions_total)
+        kv = self.kv_cache_manager
+        return SchedulerStats(len(self.running), len(self.waiting), kv.usage,
+                              self.num_preemptions_total, kv.stats.queries, kv.stats.hits)

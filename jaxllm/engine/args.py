@@ -11,6 +11,7 @@ import jax
 
 from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
                            ParallelConfig, RunnerConfig, SchedulerConfig)
+from jaxllm.core.kv_cache_utils import HASH_ALGOS, get_hash_fn
 from jaxllm.loader.loader import read_hf_config, resolve_model_path
 from jaxllm.worker import device_memory
 
@@ -29,6 +30,8 @@ class EngineArgs:
     # larger token buckets of an unrolled model takes minutes
     max_num_batched_tokens: int | None = None
     block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -49,6 +52,7 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         device_memory.size_allocator_pool(self.gpu_memory_utilization)
+        get_hash_fn(self.prefix_caching_hash_algo)  # an unknown or uninstalled one fails now
         model_path = resolve_model_path(self.model, self.load_format)
         hf_config = read_hf_config(model_path, self.load_format)
         max_model_len = self.max_model_len or hf_config.get("max_position_embeddings", 2048)
@@ -63,7 +67,9 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes),
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len),
@@ -150,6 +156,8 @@ def _flag_options(f) -> dict:
         return {"action": argparse.BooleanOptionalAction, "default": f.default}
     if f.name == "served_model_name":  # several names, as vLLM: the first is reported
         return {"nargs": "+", "default": None, "metavar": "NAME"}
+    if f.name == "prefix_caching_hash_algo":
+        return {"choices": HASH_ALGOS, "default": f.default}
     if f.name == "dtype":
         return {"type": parse_dtype, "default": f.default,
                 "metavar": "{" + ",".join(DTYPE_CHOICES) + "}"}
@@ -166,7 +174,6 @@ ENGINE_FLAGS_NO_EFFECT = (
     ("--trust-remote-code", False),  # jaxllm runs its own model code, never the checkpoint's
     ("--no-trust-remote-code", False),
     ("--disable-log-stats", False),
-    ("--no-enable-prefix-caching", False),
     ("--enable-chunked-prefill", False),  # jaxllm always chunks long prefills
     ("--use-tqdm-on-load", False),
     ("--no-use-tqdm-on-load", False),
@@ -211,8 +218,7 @@ ENGINE_FLAGS_NOT_IMPLEMENTED = (
     "--enable-dbo", "--ubatch-size", "--dbo-decode-token-threshold",
     "--dbo-prefill-token-threshold", "--disable-nccl-for-dp-synchronization", "--enable-eplb",
     "--eplb-config", "--expert-placement-strategy", "--ray-workers-use-nsight", "--worker-cls",
-    "--worker-extension-cls", "--enable-prefix-caching",
-    "--prefix-caching-hash-algo", "--cpu-offload-gb", "--calculate-kv-scales",
+    "--worker-extension-cls", "--cpu-offload-gb", "--calculate-kv-scales",
     "--kv-sharing-fast-prefill", "--mamba-cache-dtype", "--mamba-ssm-cache-dtype",
     "--mamba-block-size", "--mamba-cache-mode", "--kv-offloading-size", "--kv-offloading-backend",
     "--limit-mm-per-prompt", "--enable-mm-embeds", "--media-io-kwargs", "--mm-processor-kwargs",

@@ -47,6 +47,12 @@ class _AddCommand:
     prompt: str | None
     stream: _Stream
     accepted: concurrent.futures.Future  # result None, or the ValueError from add_request
+    cache_salt: str | None = None
+
+
+@dataclass
+class _ResetPrefixCacheCommand:
+    done: concurrent.futures.Future  # result: whether the cache was reset
 
 
 class AsyncLLM:
@@ -58,7 +64,8 @@ class AsyncLLM:
         self.vocab_size: int = engine_core.vocab_size
         self.max_queue_len = max_queue_len
         self._wakeup = threading.Condition()
-        self._inbox: deque[_AddCommand | str] = deque()  # adds, and request ids to abort
+        # adds, request ids to abort, prefix cache resets
+        self._inbox: deque[_AddCommand | str | _ResetPrefixCacheCommand] = deque()
         self._streams: dict[str, _Stream] = {}  # owned by the loop thread
         self._num_aborted = 0  # requests aborted while still running (client gone, or abort())
         self._stats: dict = {**engine_core.get_stats(), "num_aborted_total": 0}
@@ -70,7 +77,8 @@ class AsyncLLM:
     # ---- asyncio side -------------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str, prompt: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs until the request finishes.
 
         Validation errors (ValueError) and QueueFullError are raised by the first `__anext__`,
@@ -80,7 +88,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_AddCommand(request_id, list(prompt_token_ids), sampling_params, prompt,
-                                 stream, accepted))
+                                 stream, accepted, cache_salt))
         finished = False
         try:
             await asyncio.wrap_future(accepted)
@@ -98,6 +106,16 @@ class AsyncLLM:
         with self._wakeup:
             self._inbox.append(request_id)
             self._wakeup.notify()
+
+    async def reset_prefix_cache(self) -> bool:
+        """EngineCore.reset_prefix_cache, run by the loop thread between steps."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self._error is not None:
+            raise EngineDeadError(f"The engine loop stopped: {self._error!r}")
+        with self._wakeup:
+            self._inbox.append(_ResetPrefixCacheCommand(done))
+            self._wakeup.notify()
+        return await asyncio.wrap_future(done)
 
     def get_stats(self) -> dict:
         """The engine's stats after its latest step (see EngineCore.get_stats), and
@@ -166,9 +184,13 @@ class AsyncLLM:
                     self.core.abort_request([command])
                     self._num_aborted += 1
                 continue
+            if isinstance(command, _ResetPrefixCacheCommand):
+                command.done.set_result(self.core.reset_prefix_cache())
+                continue
             try:
                 self.core.add_request(command.request_id, command.prompt_token_ids,
-                                      command.sampling_params, prompt=command.prompt)
+                                      command.sampling_params, prompt=command.prompt,
+                                      cache_salt=command.cache_salt)
             except ValueError as error:
                 command.accepted.set_exception(error)
                 continue
@@ -189,5 +211,8 @@ class AsyncLLM:
             for command in self._inbox:
                 if isinstance(command, _AddCommand):
                     command.accepted.set_exception(
+                        EngineDeadError(f"The engine loop stopped: {error!r}"))
+                elif isinstance(command, _ResetPrefixCacheCommand):
+                    command.done.set_exception(
                         EngineDeadError(f"The engine loop stopped: {error!r}"))
             self._inbox.clear()

@@ -46,11 +46,13 @@ class DPEngine:
         return sum(1 for r in self._replica_of.values() if r == rank)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, prompt: str | None = None) -> None:
+                    sampling_params: SamplingParams, prompt: str | None = None,
+                    cache_salt: str | None = None) -> None:
         if request_id in self._replica_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         rank = min(range(len(self.replicas)), key=self._load)
-        self.replicas[rank].add_request(request_id, prompt_token_ids, sampling_params, prompt)
+        self.replicas[rank].add_request(request_id, prompt_token_ids, sampling_params, prompt,
+                                        cache_salt)
         self._replica_of[request_id] = rank
 
     def abort_request(self, request_ids) -> None:
@@ -61,6 +63,10 @@ class DPEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's; False if a replica refused (its requests hold blocks)."""
+        return all([r.reset_prefix_cache() for r in self.replicas])
 
     def step(self) -> list[RequestOutput]:
         busy = [r for r in self.replicas if r.has_unfinished_requests()]

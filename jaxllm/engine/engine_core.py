@@ -10,6 +10,7 @@ them, and the device runs steps in launch order.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import numpy as np
@@ -47,14 +48,21 @@ class EngineCore:
         self.output_processor = OutputProcessor(tokenizer)
         self._seed_rng = np.random.default_rng(config.model_config.seed)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._share_groups = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, prompt: str | None = None) -> None:
-        self._validate(request_id, prompt_token_ids)
+                    sampling_params: SamplingParams, prompt: str | None = None,
+                    cache_salt: str | None = None) -> None:
+        """cache_salt: requests share cached KV only with requests of the same salt."""
+        self._validate(request_id, prompt_token_ids, cache_salt)
         n = sampling_params.n
+        # n > 1 children share their prompt's blocks: with caching on as any requests do, with
+        # it off through a key of their own.
+        share_group = (next(self._share_groups)
+                       if n > 1 and not self.config.cache_config.enable_prefix_caching else None)
         children = []
         for index in range(n):
             params = copy.copy(sampling_params)
@@ -65,7 +73,7 @@ class EngineCore:
             params.seed = (int(self._seed_rng.integers(0, 2**31 - 1)) if params.seed is None
                            else (params.seed + index) & 0x7FFFFFFF)
             children.append(Request(child_request_id(request_id, index, n), prompt_token_ids,
-                                    params))
+                                    params, cache_salt=cache_salt, share_group=share_group))
         added = []
         try:
             for child in children:
@@ -77,9 +85,12 @@ class EngineCore:
         self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), children)
         self.prompt_tokens_total += len(prompt_token_ids)
 
-    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def _validate(self, request_id: str, prompt_token_ids: list[int],
+                  cache_salt: str | None) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         if len(prompt_token_ids) == 0:
             raise ValueError("The decoder prompt cannot be empty.")
         if len(prompt_token_ids) > self.max_model_len:
@@ -100,6 +111,14 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (every DP rank's); False, changing nothing, while any
+        request holds KV blocks (vLLM's semantics)."""
+        if any(s.kv_cache_manager.num_free_blocks != self.num_blocks - 1
+               for s in self.scheduler_ranks):
+            return False
+        return all([s.reset_prefix_cache() for s in self.scheduler_ranks])
 
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -135,6 +154,8 @@ class EngineCore:
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage,
                 "num_preemptions_total": stats.num_preemptions_total,
+                "prefix_cache_queries_total": stats.prefix_cache_queries_total,
+                "prefix_cache_hits_total": stats.prefix_cache_hits_total,
                 "num_free_blocks": sum(s.kv_cache_manager.num_free_blocks
                                        for s in self.scheduler_ranks),
                 "num_blocks": self.num_blocks * self.dp_size,

@@ -12,6 +12,8 @@ from jaxllm.engine.builder import make_engine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
+# A dict is vLLM's TextPrompt / TokensPrompt: "prompt" and/or "prompt_token_ids", and an optional
+# "cache_salt" (requests share cached KV only under the same salt).
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -30,6 +32,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False while requests hold KV blocks (as vLLM)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -46,7 +52,9 @@ class LLM:
             for prompt, params in zip(prompts, sampling_params):
                 text, token_ids = self._tokenize(prompt)
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, token_ids, params, prompt=text)
+                cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self.llm_engine.add_request(request_id, token_ids, params, prompt=text,
+                                            cache_salt=cache_salt)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)  # nothing may leak

@@ -1,7 +1,7 @@
 """Turns scheduler updates into RequestOutputs: detokenises, finds stop strings, groups n > 1.
 
 A request with n > 1 runs as n child requests ("{parent}#{i}") that share nothing but their
-prompt; their parent collects one CompletionOutput per child.
+prompt (and its KV blocks); their parent collects one CompletionOutput per child.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class ParentState:
     children: dict[str, ChildState] = field(default_factory=dict)
     num_unfinished: int = 0
     prompt_logprobs: list | None = None  # PromptLogprobs when asked: [None, {id: Logprob}, ...]
+    first_child: Request | None = None  # whose prefix cache hit the outputs report
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -45,7 +46,8 @@ class OutputProcessor:
 
     def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
                     children: list[Request]) -> None:
-        parent = ParentState(parent_id, prompt, prompt_token_ids, num_unfinished=len(children))
+        parent = ParentState(parent_id, prompt, prompt_token_ids, num_unfinished=len(children),
+                             first_child=children[0])
         if children[0].sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         for index, child in enumerate(children):
@@ -132,7 +134,8 @@ class OutputProcessor:
         if finished:
             self._forget(parent.request_id)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             completions, finished, prompt_logprobs=parent.prompt_logprobs)
+                             completions, finished, prompt_logprobs=parent.prompt_logprobs,
+                             num_cached_tokens=parent.first_child.num_cached_tokens)
 
     def abort(self, parent_id: str) -> None:
         self._forget(parent_id)

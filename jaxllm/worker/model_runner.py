@@ -38,7 +38,7 @@ from jaxllm.worker import step as step_fn
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.packing import pack
 from jaxllm.worker.request_states import RequestStates, ScheduledChunk
-from jaxllm.worker.step import StepInputs, StepModel, StepOutput, StepState
+from jaxllm.worker.step import HistoryInputs, StepInputs, StepModel, StepOutput, StepState
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ LogprobEntry = tuple[float, int, list[int], list[float]]
 def _logprob_entry(tensors, row: int, num_top: int) -> LogprobEntry:
     return (float(tensors.sampled_logprob[row]), int(tensors.sampled_rank[row]),
             tensors.top_ids[row, :num_top].tolist(), tensors.top_logprobs[row, :num_top].tolist())
+
+
+def _uses_penalties(params) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
 
 
 @dataclass
@@ -196,10 +201,47 @@ class ModelRunner:
         rank_outputs = (scheduler_output.ranks if isinstance(scheduler_output, DPSchedulerOutput)
                         else [scheduler_output])
         rank_chunks = [self.requests.apply(out) for out in rank_outputs]
+        self._record_histories([c for chunks in rank_chunks for c in chunks])
         num_tokens_padded, num_seqs_padded = self.bucket_for(
             max(out.total_num_scheduled_tokens for out in rank_outputs))
         inputs, placement = self._build_inputs(rank_chunks, num_tokens_padded, num_seqs_padded)
         return LaunchedStep(*placement, *self._dispatch(inputs, self._stages_for(inputs)))
+
+    def _record_histories(self, chunks: list[ScheduledChunk]) -> None:
+        """A request admitted on a prefix cache hit starts past tokens no step computes for it;
+        when it uses penalties its penalty row starts over here with them (prompt tokens mark
+        the prompt mask, a resumed request's outputs count), and the step leaves the row be."""
+        history = [c for c in chunks
+                   if c.state.new and c.start and _uses_penalties(c.state.sampling_params)]
+        if not history:
+            return
+        lengths = [c.start for c in history]
+        token_ids = np.concatenate([c.state.token_ids[:c.start] for c in history])
+        token_rows = np.repeat([c.state.row for c in history], lengths)
+        is_output = np.concatenate([np.arange(c.start) >= c.state.num_prompt_tokens
+                                    for c in history])
+        size = self.buckets[-1]
+        for offset in range(0, len(token_ids), size):
+            part = slice(offset, offset + size)
+            self._run_history(token_ids[part], token_rows[part], is_output[part],
+                              [c.state.row for c in history] if offset == 0 else [])
+        for c in history:
+            c.state.new = False
+
+    def _run_history(self, token_ids, token_rows, is_output, reset_rows) -> None:
+        """One record_history program: at most the largest bucket's tokens, padded to it."""
+        size, num_rows = self.buckets[-1], self.garbage_row
+
+        def padded(values, length, fill, dtype):
+            out = np.full(length, fill, dtype)
+            out[:len(values)] = values
+            return out
+
+        packed, layout = pack(HistoryInputs(
+            padded(token_ids, size, 0, np.int32), padded(token_rows, size, num_rows, np.int32),
+            padded(is_output, size, False, bool), padded(reset_rows, num_rows, num_rows, np.int32)))
+        self.state.penalty_state = step_fn.record_history(
+            self.state.penalty_state, packed, layout=layout, model=self.model)
 
     def _build_inputs(self, rank_chunks: list[list[ScheduledChunk]], num_tokens_padded: int,
                       num_seqs_padded: int) -> tuple[StepInputs, tuple]:
@@ -363,4 +405,5 @@ class ModelRunner:
                         partial(step_fn.prompt_logprobs, model=self.model), self.params,
                         out.hidden, np.zeros(num_tokens_padded, np.int32)))
             jax.block_until_ready([future.result() for future in prompt_programs])
+        self._run_history([], [], [], [])  # the prefix-hit penalty program, compiled once
         progress(f"warm-up: done, {time.perf_counter() - start:.1f}s")

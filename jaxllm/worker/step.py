@@ -136,6 +136,28 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
     return StepOutput(sampled, None, hidden), new_state
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class HistoryInputs:
+    """Tokens a request had in the KV cache before its first step (a prefix cache hit): the
+    penalty counts must see them although no step computes them. N tokens, S rows."""
+    token_ids: jax.Array  # [N] i32
+    token_rows: jax.Array  # [N] i32 penalty row of each, or the garbage row
+    token_is_output: jax.Array  # [N] bool
+    reset_rows: jax.Array  # [S] i32 rows that start over, else the garbage row
+
+
+@partial(jax.jit, donate_argnames=("penalty_state",), static_argnames=("layout", "model"))
+def record_history(penalty_state: sampler.PenaltyState, packed_inputs: jax.Array, *,
+                   layout: PackLayout, model: StepModel) -> sampler.PenaltyState:
+    """Records HistoryInputs into the penalty state: a program of its own, run before the step
+    that admits such requests (only when one uses penalties)."""
+    inputs: HistoryInputs = replicated(unpack(packed_inputs, layout), model.mesh)
+    state = sampler.record_tokens(penalty_state, inputs.token_ids, inputs.token_rows,
+                                  inputs.token_is_output, inputs.reset_rows)
+    return replicated(state, model.mesh)
+
+
 @partial(jax.jit, static_argnames=("model",))
 def prompt_logprobs(params, hidden: jax.Array, next_prompt_ids: jax.Array, *,
                     model: StepModel) -> LogprobsTensors:
