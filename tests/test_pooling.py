@@ -214,8 +214,13 @@ def test_qwen3_embedder_equals_hf(tmp_path, tiny_tokenizer):
     short = llm.embed(texts, pooling_params=PoolingParams(dimensions=16), use_tqdm=False)
     short = np.array([o.outputs.embedding for o in short])
     assert short.shape == (3, 16) and cosines(short, reference[:, :16]).min() >= 0.99999
+
+
+
+def test_generative_model_refuses_pooling(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, enforce_eager=True, max_model_len=64, num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="only supported for pooling models"):
-        LLM.embed(type("Generative", (), {"llm_engine": object()})(), texts)
+        llm.embed(["hello"])
 
 
 def test_qwen3_classifier_equals_hf(tmp_path, tiny_tokenizer):
