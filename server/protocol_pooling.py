@@ -75,7 +75,7 @@ class EmbeddingResponse(msgspec.Struct):
 
 class ClassificationData(msgspec.Struct):
     index: int
-    label: str | None
+    label: str
     probs: list[float]
     num_classes: int
     object: str = "classification"

@@ -128,7 +128,8 @@ class PoolingServing:
         data = []
         for i, output in enumerate(outputs):
             probs = output.outputs.data.tolist()
-            label = labels.get(str(int(np.argmax(probs))))
+            best = int(np.argmax(probs))
+            label = labels.get(str(best), f"LABEL_{best}")  # HF's default label names
             data.append(ClassificationData(i, label, probs, len(probs)))
         return _json(ClassificationResponse(f"classify-{uuid.uuid4().hex}", model, data,
                                             _usage(outputs)))

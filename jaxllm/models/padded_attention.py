@@ -22,9 +22,14 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     """q [S, L, Hq, D], k, v [S, L, Hkv, D] (Hq a multiple of Hkv), lengths [S] >= 1: each row
     attends to its first lengths[s] keys (and, causal, to none after the query). Softmax in fp32.
     implementation: jax.nn.dot_product_attention's (None: XLA; "cudnn": its fused kernel)."""
-    return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=causal,
-                                        key_value_seq_lengths=lengths,
-                                        implementation=implementation)
+    dtype = q.dtype
+    if dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU has no float16 dot with a float32 result, which the softmax's logits use.
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    out = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=causal,
+                                       key_value_seq_lengths=lengths,
+                                       implementation=implementation)
+    return out.astype(dtype)
 
 
 def decoder_hidden(params: dict, token_ids: jax.Array, lengths: jax.Array, *, args: ModelArgs,
