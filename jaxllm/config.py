@@ -17,6 +17,8 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None  # a directory; None: the model's
     served_model_name: str = DEFAULT_MODEL_NAME
+    runner: str = "generate"  # generate | pooling (resolved from "auto" by EngineArgs)
+    convert: str = "none"  # none | embed | classify: how a pooling runner uses the model
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -125,6 +127,26 @@ class RunnerConfig:
                              f"got {self.attention_backend!r}.")
 
 
+POOLING_TYPES = ("CLS", "MEAN", "LAST", "ALL")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's PoolerConfig: how a pooling model turns hidden states into its output. Fields left
+    None take the model's defaults (sentence-transformers files, then the task's)."""
+    pooling_type: str | None = None  # CLS | MEAN | LAST | ALL
+    normalize: bool | None = None  # L2-normalise embeddings
+    use_activation: bool | None = None  # softmax (sigmoid for one label) over class logits
+    dimensions: int | None = None  # Matryoshka: default output size of embeddings
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got "
+                             f"{self.pooling_type!r}.")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be at least 1, got {self.dimensions}.")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every concern's config, built and validated once before loading and passed down (vLLM's
@@ -136,3 +158,4 @@ class EngineConfig:
     parallel_config: ParallelConfig
     load_config: LoadConfig
     runner_config: RunnerConfig
+    pooler_config: PoolerConfig | None = None  # set exactly when model_config.runner is pooling

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -43,3 +45,74 @@ class RequestOutput:
     # Prompt tokens found in the prefix cache at admission (n > 1: the first sample's); None
     # before the request was first scheduled.
     num_cached_tokens: int | None = None
+
+
+# -- pooling models (vLLM's PoolingRequestOutput and its task-specific views) -------------------
+@dataclass
+class PoolingOutput:
+    data: np.ndarray  # the pooler's output: an embedding, class probabilities, or per-token
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

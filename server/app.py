@@ -21,6 +21,7 @@ from jaxllm.server.protocol import (ChatCompletionRequest, CompletionRequest, De
 from jaxllm.server.serving import OpenAIServing
 from jaxllm.server.serving_chat import ChatServing, render_chat
 from jaxllm.server.serving_completion import CompletionServing
+from jaxllm.server.serving_pooling import pooling_routes, require_generative
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -67,10 +68,12 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> Starlette:
     completions, chat = CompletionServing(serving), ChatServing(serving)
 
     async def create_completion(request: Request) -> Response:
+        require_generative(serving, "/v1/completions")
         body = decode_request(await _read_body(request), CompletionRequest)
         return await _until_disconnect(request, completions.create(body))
 
     async def create_chat_completion(request: Request) -> Response:
+        require_generative(serving, "/v1/chat/completions")
         body = decode_request(await _read_body(request), ChatCompletionRequest)
         return await _until_disconnect(request, chat.create(body))
 
@@ -128,6 +131,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> Starlette:
         Route("/version", get_version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        *pooling_routes(serving, _read_body, _until_disconnect),
     ]
     app = Starlette(routes=routes, exception_handlers={
         OpenAIError: _openai_error,

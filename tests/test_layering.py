@@ -10,7 +10,8 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEAVES = ("jaxllm.config", "jaxllm.outputs", "jaxllm.sampling_params", "jaxllm.sharding.axes")
+LEAVES = ("jaxllm.config", "jaxllm.outputs", "jaxllm.sampling_params", "jaxllm.pooling_params",
+          "jaxllm.sharding.axes")
 
 # package -> the project packages it may import (itself and the leaves always).
 ALLOWED = {
@@ -21,7 +22,8 @@ ALLOWED = {
     "jaxllm.core": (),
     "jaxllm.loader": ("jaxllm.models",),
     "jaxllm.sharding": ("jaxllm.models",),
-    "jaxllm.worker": ("jaxllm.core.scheduler", "jaxllm.core.dp_scheduler", "jaxllm.models",
+    "jaxllm.worker": ("jaxllm.core.scheduler", "jaxllm.core.dp_scheduler",
+                      "jaxllm.core.pooling_scheduler", "jaxllm.models",
                       "jaxllm.sample", "pallas_kernels"),
     "jaxllm.engine": ("jaxllm.core", "jaxllm.worker", "jaxllm.models", "jaxllm.loader",
                       "jaxllm.sharding", "jaxllm.sample", "jaxllm.detok", "pallas_kernels"),

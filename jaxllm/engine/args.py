@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import re
 from dataclasses import dataclass, fields
 
 import jax
 
 from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
-                           ParallelConfig, RunnerConfig, SchedulerConfig)
+                           ParallelConfig, PoolerConfig, RunnerConfig, SchedulerConfig)
 from jaxllm.core.kv_cache_utils import HASH_ALGOS, get_hash_fn
+from jaxllm.engine.pooling_config import (pooling_max_model_len, resolve_pooler_config,
+                                          resolve_runner)
 from jaxllm.loader.loader import read_hf_config, resolve_model_path
 from jaxllm.worker import device_memory
 
@@ -43,6 +46,9 @@ class EngineArgs:
     served_model_name: str | None = None
     async_scheduling: bool = True
     lean_steps: bool | None = None  # None: on a GPU (RunnerConfig)
+    runner: str = "auto"  # auto | generate | pooling (auto: from the model's architectures)
+    convert: str = "auto"  # auto | none | embed | classify (a pooling runner's task)
+    pooler_config: PoolerConfig | dict | str | None = None  # a dict or its JSON on the CLI
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
@@ -55,7 +61,13 @@ class EngineArgs:
         get_hash_fn(self.prefix_caching_hash_algo)  # an unknown or uninstalled one fails now
         model_path = resolve_model_path(self.model, self.load_format)
         hf_config = read_hf_config(model_path, self.load_format)
-        max_model_len = self.max_model_len or hf_config.get("max_position_embeddings", 2048)
+        runner, convert = resolve_runner(hf_config, self.runner, self.convert)
+        pooler_config = (resolve_pooler_config(model_path, hf_config, convert,
+                                               _as_pooler_config(self.pooler_config))
+                         if runner == "pooling" else None)
+        max_model_len = self.max_model_len or (
+            pooling_max_model_len(model_path, hf_config) if pooler_config
+            else hf_config.get("max_position_embeddings", 2048))
         default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
                                                                     self.max_num_seqs)
@@ -63,7 +75,8 @@ class EngineArgs:
             model_config=ModelConfig(
                 model=model_path, hf_config=hf_config, max_model_len=max_model_len,
                 dtype=self.dtype, seed=self.seed, tokenizer=self.tokenizer,
-                served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME),
+                served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
+                runner=runner, convert=convert),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -82,7 +95,8 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 compilation_cache_dir=self.compilation_cache_dir,
                 enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-                lean_steps=self.lean_steps))
+                lean_steps=self.lean_steps),
+            pooler_config=pooler_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -105,6 +119,21 @@ class EngineArgs:
             # The engine reports the first name; the server accepts all of them (server/cli.py).
             values["served_model_name"] = values["served_model_name"][0]
         return cls(**values)
+
+
+def _as_pooler_config(value: PoolerConfig | dict | str | None) -> PoolerConfig | None:
+    """--pooler-config '{"pooling_type": "MEAN"}' (vLLM's JSON), a dict, or a PoolerConfig."""
+    if value is None or isinstance(value, PoolerConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"pooler_config is not valid JSON: {error}") from None
+    try:
+        return PoolerConfig(**value)
+    except TypeError as error:
+        raise ValueError(f"Invalid pooler_config: {error}") from None
 
 
 # -- vLLM's value syntax ------------------------------------------------------------------------
@@ -197,12 +226,12 @@ ENGINE_FLAGS_DEFAULT_ONLY = (
 )
 
 ENGINE_FLAGS_NOT_IMPLEMENTED = (
-    "--runner", "--convert", "--hf-config-path", "--allowed-local-media-path",
+    "--hf-config-path", "--allowed-local-media-path",
     "--allowed-media-domains", "--revision", "--code-revision", "--tokenizer-revision",
     "--quantization|-q", "--allow-deprecated-quantization", "--enable-return-routed-experts",
     "--max-logprobs", "--logprobs-mode", "--disable-sliding-window", "--disable-cascade-attn",
     "--skip-tokenizer-init", "--enable-prompt-embeds", "--config-format", "--hf-token",
-    "--hf-overrides", "--pooler-config", "--logits-processor-pattern",
+    "--hf-overrides", "--logits-processor-pattern",
     "--override-generation-config", "--enable-sleep-mode", "--override-attention-dtype",
     "--logits-processors", "--io-processor-plugin", "--task", "--max-seq-len-to-capture",
     "--download-dir", "--safetensors-load-strategy", "--model-loader-extra-config",

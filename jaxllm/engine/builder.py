@@ -14,6 +14,7 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.dp_engine import DPEngine
 from jaxllm.engine.engine_core import EngineCore
 from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
+from jaxllm.engine.pooling_builder import build_pooling_engine
 from jaxllm.models import ModelArgs
 from jaxllm.sharding.mesh import make_mesh
 from jaxllm.worker import kv_cache
@@ -28,6 +29,9 @@ def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
     [DP, TP] mesh (attention per DP rank, experts split over all DP x TP devices)."""
     config = (engine_args.create_engine_config() if isinstance(engine_args, EngineArgs)
               else engine_args)
+    if config.pooler_config is not None:  # --runner pooling: a PoolingEngine
+        compilation_cache.enable(config.runner_config.compilation_cache_dir)
+        return build_pooling_engine(config, log)
     parallel = config.parallel_config
     if parallel.data_parallel_size == 1:
         return build_engine_core(config, log)

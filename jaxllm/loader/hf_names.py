@@ -44,6 +44,7 @@ _TOP = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
     "lm_head.weight": ("lm_head", True),
+    "score.weight": ("score", True),  # *ForSequenceClassification's classifier
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

@@ -106,9 +106,16 @@ def _dummy_preset(name: str, dtype, seed: int, shardings) -> LoadedModel:
                        max_model_len=hf_config["max_position_embeddings"], dtype=dtype)
 
 
-def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Shardings | None = None) -> dict:
-    """Every tensor read memory-mapped, converted and placed on device one at a time."""
-    expected = flatten_paths(param_shapes(args))
+# Output heads a checkpoint may hold that the model run from it need not use: the LM head of a
+# tied model or of a decoder run as an embedder, a classifier's `score` run as a generator.
+_HEADS = frozenset({"lm_head", "score"})
+
+
+def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Shardings | None = None,
+                     shapes: dict | None = None) -> dict:
+    """Every tensor read memory-mapped, converted and placed on device one at a time. shapes:
+    the params pytree to fill (default param_shapes(args)); heads outside it are skipped."""
+    expected = flatten_paths(shapes or param_shapes(args))
     files = safetensors_files(model_dir)
     flat, experts = {}, {}
     with tqdm(total=count_tensors(files), desc="Loading weights", unit="tensor",
@@ -117,7 +124,7 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
             for name, host in iter_tensors(path):
                 progress.update()
                 mapped = map_hf_name(name)
-                if mapped is None or (mapped[0] == "lm_head" and args.tie_word_embeddings):
+                if mapped is None or (mapped[0] in _HEADS and mapped[0] not in expected):
                     continue
                 param, transpose = mapped
                 param, expert = split_expert_path(param)

@@ -1,0 +1,101 @@
+"""The offline API of pooling models, as vLLM's: LLM.embed(), .classify(), .score(), .encode()."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jaxllm.engine.pooling_engine import PoolingEngine
+from jaxllm.engine.pooling_inputs import (cosine, cross_encoder_score, pair_inputs, pair_params,
+                                          prompt_token_ids, score_pairs, truncation_length)
+from jaxllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
+                            PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
+from jaxllm.pooling_params import PoolingParams
+
+PoolingPrompt = str | list[int] | dict[str, Any]
+
+
+class PoolingAPI:
+    """Mixed into LLM; needs its llm_engine, _request_counter, _as_prompt_list, _run_engine."""
+
+    def embed(self, prompts: PoolingPrompt | Sequence[PoolingPrompt], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        outputs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(self, prompts: PoolingPrompt | Sequence[PoolingPrompt], *,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        outputs = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens,
+                             use_tqdm)
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def encode(self, prompts: PoolingPrompt | Sequence[PoolingPrompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_task: str = "encode") -> list[PoolingRequestOutput]:
+        return self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens,
+                          use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Embedding models: the cosine similarity of the two texts' embeddings; cross-encoders
+        (a classifier with one label): its output on the pair. 1 x N or N x N pairs."""
+        texts_1 = [data_1] if isinstance(data_1, str) else list(data_1)
+        texts_2 = [data_2] if isinstance(data_2, str) else list(data_2)
+        pairs = score_pairs(texts_1, texts_2)
+        engine = self._pooling_engine("score")
+        if engine.task == "embed":
+            embeddings = self._pool(texts_1 + texts_2, pooling_params, "embed",
+                                    truncate_prompt_tokens, use_tqdm)
+            first, second = embeddings[:len(texts_1)], embeddings[len(texts_1):]
+            return [ScoringRequestOutput(second[j].request_id, ScoringOutput(cosine(
+                first[i].outputs.data, second[j].outputs.data)),
+                first[i].prompt_token_ids + second[j].prompt_token_ids) for i, j in pairs]
+        max_length = truncation_length(truncate_prompt_tokens, engine.max_model_len)
+        inputs = [pair_inputs(engine.tokenizer, texts_1[i], texts_2[j], max_length)
+                  for i, j in pairs]
+        outputs = self._run_pooling([ids for ids, _ in inputs],
+                                    [pair_params(pooling_params, start) for _, start in inputs],
+                                    use_tqdm)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(cross_encoder_score(
+            o.outputs.data)), o.prompt_token_ids) for o in outputs]
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _pooling_engine(self, task: str) -> PoolingEngine:
+        if not isinstance(self.llm_engine, PoolingEngine):
+            raise ValueError(f"LLM.{task}() is only supported for pooling models. Try passing "
+                             f"`--runner pooling` to use the model as a pooling model.")
+        return self.llm_engine
+
+    def _pool(self, prompts, pooling_params, task: str, truncate_prompt_tokens: int | None,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        engine = self._pooling_engine(task)
+        prompts = self._as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and pooling_params "
+                             f"({len(pooling_params)}) must be the same.")
+        truncate = truncate_prompt_tokens
+        token_ids = [prompt_token_ids(engine.tokenizer, prompt, truncation_length(
+            truncate if truncate is not None else params.truncate_prompt_tokens,
+            engine.max_model_len)) for prompt, params in zip(prompts, pooling_params)]
+        params = [PoolingParams(**{**vars(p), "task": task}) for p in pooling_params]
+        return self._run_pooling(token_ids, params, use_tqdm)
+
+    def _run_pooling(self, token_ids: list[list[int]], params: list[PoolingParams],
+                     use_tqdm: bool) -> list[PoolingRequestOutput]:
+        request_ids = []
+        try:
+            for ids, p in zip(token_ids, params):
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, ids, p)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)

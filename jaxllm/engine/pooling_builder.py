@@ -1,0 +1,84 @@
+"""Builds the engine of a pooling model (`--runner pooling`): an encoder (BERT, RoBERTa, XLM-R)
+or a causal decoder run without a KV cache, its pooler, the bucketed runner, warmed up."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.pooling_config import architecture, decoder_base
+from jaxllm.engine.pooling_engine import PoolingEngine
+from jaxllm.loader.encoder_loader import dummy_encoder, load_encoder
+from jaxllm.loader.loader import load_safetensors, load_tokenizer, resolve_dtype
+from jaxllm.models import ModelArgs, forward, fuse_params, param_shapes
+from jaxllm.models import bert
+from jaxllm.models.padded_attention import decoder_hidden
+from jaxllm.models.pooler import pooling_forward
+from jaxllm.worker.pooling_runner import PoolingRunner, batch_shapes
+
+logger = logging.getLogger("jaxllm")
+
+
+def build_pooling_engine(config: EngineConfig, log=logger.info) -> PoolingEngine:
+    model = config.model_config
+    if config.parallel_config.world_size > 1:
+        raise ValueError("Pooling models run on one device: tensor_parallel_size and "
+                         "data_parallel_size must be 1.")
+    classify = model.convert == "classify"
+    if architecture(model.hf_config) in bert.ENCODER_ARCHITECTURES:
+        params, hidden_fn, dims = _encoder(config, classify)
+    else:
+        params, hidden_fn, dims = _decoder(config, classify)
+    pooling_type = config.pooler_config.pooling_type
+    sched = config.scheduler_config
+    runner = PoolingRunner(
+        partial(pooling_forward, hidden_fn=hidden_fn, pooling_type=pooling_type,
+                classify=classify), params,
+        batch_shapes(model.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens),
+        per_token=pooling_type == "ALL")
+    tokenizer = (load_tokenizer(model.tokenizer or model.model)
+                 if config.load_config.load_format == "auto" or model.tokenizer else None)
+    engine = PoolingEngine(config, runner, tokenizer, **dims)
+    log(f"pooling model: {architecture(model.hf_config)} as {model.convert}, "
+        f"{pooling_type} pooling, {sum(map(len, runner.shapes.values()))} batch shapes")
+    if not config.runner_config.enforce_eager:
+        runner.warmup(progress=log)
+    return engine
+
+
+def _encoder(config: EngineConfig, classify: bool):
+    model = config.model_config
+    args = bert.BertArgs.from_hf_config(model.hf_config, with_classifier=classify)
+    if model.max_model_len > args.max_len:
+        raise ValueError(f"max_model_len ({model.max_model_len}) is greater than the "
+                         f"{args.max_len} positions of {args.architecture}.")
+    dtype = resolve_dtype(model.dtype)
+    params = (dummy_encoder(args, dtype, model.seed) if config.load_config.load_format == "dummy"
+              else load_encoder(model.model, args, dtype))
+    params = fuse_params(params, args.num_heads, free_inputs=True)
+
+    def hidden_fn(params, token_ids, token_type_ids, lengths):
+        return bert.encode(params, token_ids, token_type_ids, lengths, args=args)
+    return params, hidden_fn, dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
+
+
+def _decoder(config: EngineConfig, classify: bool):
+    model = config.model_config
+    hf = model.hf_config
+    args = ModelArgs.from_hf_config({**hf, "architectures": [decoder_base(architecture(hf))]})
+    if args.sliding_window is not None:
+        raise ValueError("Sliding-window models are not supported as pooling models.")
+    if config.load_config.load_format == "dummy":
+        raise ValueError("load_format='dummy' is not supported for decoder pooling models.")
+    shapes = {k: v for k, v in param_shapes(args).items() if k != "lm_head"}
+    if classify:
+        shapes["score"] = (args.hidden_size, len(hf.get("id2label") or {}) or hf.get("num_labels", 2))
+    params = load_safetensors(model.model, args, resolve_dtype(model.dtype), shapes=shapes)
+    if classify:
+        params["classifier_w"] = params.pop("score")
+    params = fuse_params(params, args.num_kv_heads, free_inputs=True)
+
+    def hidden_fn(params, token_ids, token_type_ids, lengths):
+        return decoder_hidden(params, token_ids, lengths, args=args, forward=forward)
+    return params, hidden_fn, dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)

@@ -1,0 +1,123 @@
+"""PoolingEngine: the engine of a pooling model, with EngineCore's interface (add_request, step,
+abort_request), so that LLM and AsyncLLM drive it as they drive generation.
+
+One iteration schedules a batch of whole prompts, runs the pooling step, and finishes every
+request in it: what the request asks on top of the model's pooled output (Matryoshka
+truncation, normalisation, softmax) is applied here, on the host, per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxllm.config import EngineConfig
+from jaxllm.core.pooling_scheduler import PoolingRequest, PoolingScheduler
+from jaxllm.engine.pooling_config import check_dimensions
+from jaxllm.outputs import PoolingOutput, PoolingRequestOutput
+from jaxllm.pooling_params import PoolingParams
+from jaxllm.worker.pooling_runner import PoolingRunner
+
+# task a request asks for -> the model tasks (--convert) that serve it
+_SERVED_BY = {"embed": ("embed",), "classify": ("classify",), "score": ("embed", "classify"),
+              "encode": ("embed", "classify")}
+
+
+class PoolingEngine:
+    def __init__(self, config: EngineConfig, runner: PoolingRunner, tokenizer, *,
+                 vocab_size: int, hidden_size: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.task = config.model_config.convert  # embed | classify
+        self.pooler_config = config.pooler_config
+        self.max_model_len = config.model_config.max_model_len
+        self.model_name = config.model_config.served_model_name
+        self.scheduler = PoolingScheduler(self.max_model_len, runner.shapes)
+        self.prompt_tokens_total = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    pooling_params: PoolingParams, prompt: str | None = None) -> None:
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError("This model is a pooling model (--runner pooling): it embeds, "
+                             "classifies and scores, and cannot generate text.")
+        self._validate(prompt_token_ids)
+        params = self._resolve(pooling_params)
+        self.scheduler.add_request(PoolingRequest(request_id, list(prompt_token_ids), params))
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def _validate(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("The prompt cannot be empty.")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                f"model length of {self.max_model_len}. Make sure that `max_model_len` is no "
+                f"smaller than the number of text tokens.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab_size="
+                             f"{self.vocab_size}).")
+
+    def _resolve(self, params: PoolingParams) -> PoolingParams:
+        """The request's params with the model's defaults filled in, checked against the model."""
+        task = params.task or self.task
+        if self.task not in _SERVED_BY[task]:
+            raise ValueError(f"The {task} task is not supported by this model, which is served "
+                             f"for {self.task} (--convert {self.task}).")
+        if self.pooler_config.pooling_type == "ALL" and task != "encode":
+            raise ValueError(f"The {task} task needs one vector per prompt; this model pools "
+                             "ALL tokens (encode only).")
+        pooler = self.pooler_config
+        dimensions = params.dimensions or pooler.dimensions
+        if params.dimensions is not None:
+            check_dimensions(params.dimensions, self.config.model_config.hf_config,
+                             self.model_name, self.hidden_size)
+        return dataclasses.replace(
+            params, task=task, dimensions=dimensions,
+            normalize=pooler.normalize if params.normalize is None else params.normalize,
+            use_activation=(pooler.use_activation if params.use_activation is None
+                            else params.use_activation))
+
+    def abort_request(self, request_ids) -> None:
+        self.scheduler.abort(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one iteration --------------------------------------------------------------------------
+    def step(self) -> list[PoolingRequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        pooled = self.runner.execute(batch)
+        return [PoolingRequestOutput(r.request_id, PoolingOutput(self._finish(x, r.pooling_params)),
+                                     r.prompt_token_ids) for r, x in zip(batch, pooled)]
+
+    def _finish(self, pooled: np.ndarray, params: PoolingParams) -> np.ndarray:
+        """Embeddings: the first `dimensions` values, L2-normalised; class logits: softmax (one
+        label: sigmoid), each when asked."""
+        if self.task == "embed":
+            if params.dimensions is not None:
+                pooled = pooled[..., :params.dimensions]
+            if params.normalize:
+                norm = np.linalg.norm(pooled, axis=-1, keepdims=True)
+                pooled = pooled / np.maximum(norm, 1e-12)
+            return pooled
+        if not params.use_activation:
+            return pooled
+        if pooled.shape[-1] == 1:
+            return 1.0 / (1.0 + np.exp(-pooled))
+        shifted = np.exp(pooled - pooled.max(axis=-1, keepdims=True))
+        return shifted / shifted.sum(axis=-1, keepdims=True)
+
+    def get_stats(self) -> dict:
+        """EngineCore's stats; a pooling model holds no KV cache."""
+        return {"num_running": 0, "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": 0.0, "num_preemptions_total": 0, "num_free_blocks": 0,
+                "num_blocks": 0, "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": 0}

@@ -1,0 +1,131 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-R) as a pure function over a padded batch.
+
+Absolute learned positions, token types, post-LayerNorm blocks, GELU MLP, bidirectional
+attention within each row (models/padded_attention.py). Params pytree (HF's matrices as
+[in, out]; `fuse_params` then makes each layer's wq/wk/wv one wqkv [H, heads, 3, D]):
+  word_embed [V, H], position_embed [P, H], type_embed [types, H], embed_norm_w/_b [H],
+  layers: [{wq, bq, wk, bk, wv, bv, wo, bo, attn_norm_w/_b, w_in, b_in, w_out, b_out,
+            mlp_norm_w/_b}]
+and the classifier head of a *ForSequenceClassification model (models/pooler.py):
+  head_dense_w [H, H], head_dense_b [H] (BERT's pooler, RoBERTa's classifier.dense),
+  classifier_w [H, labels], classifier_b [labels].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.models.padded_attention import padded_attention
+
+# architecture -> position offset (RoBERTa numbers positions from pad_token_id + 1)
+ENCODER_ARCHITECTURES = {
+    "BertModel": "bert", "BertForSequenceClassification": "bert",
+    "RobertaModel": "roberta", "RobertaForSequenceClassification": "roberta",
+    "XLMRobertaModel": "roberta", "XLMRobertaForSequenceClassification": "roberta",
+}
+_GELUS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> tanh approximation
+
+
+@dataclass(frozen=True)
+class BertArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    position_offset: int = 0
+    gelu_approximate: bool = False
+    num_labels: int = 0  # 0: no classifier head
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence the position table covers."""
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, with_classifier: bool) -> "BertArgs":
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch not in ENCODER_ARCHITECTURES:
+            raise ValueError(f"Model architecture {arch!r} is not an encoder jaxllm supports: "
+                             f"{sorted(ENCODER_ARCHITECTURES)}.")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in _GELUS:
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: {sorted(_GELUS)}.")
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError("Only absolute position embeddings are supported, got "
+                             f"{cfg['position_embedding_type']!r}.")
+        roberta = ENCODER_ARCHITECTURES[arch] == "roberta"
+        num_labels = len(cfg.get("id2label") or {}) or cfg.get("num_labels", 2)
+        return cls(architecture=arch, vocab_size=cfg["vocab_size"],
+                   hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                   num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                   max_position_embeddings=cfg["max_position_embeddings"],
+                   type_vocab_size=cfg.get("type_vocab_size", 2),
+                   layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                   position_offset=cfg.get("pad_token_id", 1) + 1 if roberta else 0,
+                   gelu_approximate=_GELUS[act],
+                   num_labels=num_labels if with_classifier else 0)
+
+
+def param_shapes(args: BertArgs) -> dict:
+    h, i = args.hidden_size, args.intermediate_size
+    layer = {"wq": (h, h), "bq": (h,), "wk": (h, h), "bk": (h,), "wv": (h, h), "bv": (h,),
+             "wo": (h, h), "bo": (h,), "attn_norm_w": (h,), "attn_norm_b": (h,),
+             "w_in": (h, i), "b_in": (i,), "w_out": (i, h), "b_out": (h,),
+             "mlp_norm_w": (h,), "mlp_norm_b": (h,)}
+    shapes = {"word_embed": (args.vocab_size, h),
+              "position_embed": (args.max_position_embeddings, h),
+              "type_embed": (args.type_vocab_size, h), "embed_norm_w": (h,), "embed_norm_b": (h,),
+              "layers": [dict(layer) for _ in range(args.num_layers)]}
+    if args.num_labels:
+        shapes.update(head_dense_w=(h, h), head_dense_b=(h,),
+                      classifier_w=(h, args.num_labels), classifier_b=(args.num_labels,))
+    return shapes
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """Over the last axis, in fp32, cast back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    out = (x32 - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
+    return (out + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _layer(layer: dict, x: jax.Array, lengths: jax.Array, args: BertArgs,
+           implementation: str | None) -> jax.Array:
+    num_seqs, max_len, _ = x.shape
+    qkv = jnp.einsum("slh,hncd->slncd", x, layer["wqkv"]) + layer["bqkv"]  # [S, L, heads, 3, D]
+    attn = padded_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], lengths,
+                            causal=False, sm_scale=args.head_dim ** -0.5,
+                            implementation=implementation)
+    attn = jnp.einsum("slo,oh->slh", attn.reshape(num_seqs, max_len, -1), layer["wo"]) + layer["bo"]
+    x = layer_norm(x + attn, layer["attn_norm_w"], layer["attn_norm_b"], args.layer_norm_eps)
+    h = jnp.einsum("slh,hi->sli", x, layer["w_in"]) + layer["b_in"]
+    h = jax.nn.gelu(h, approximate=args.gelu_approximate)
+    h = jnp.einsum("sli,ih->slh", h, layer["w_out"]) + layer["b_out"]
+    return layer_norm(x + h, layer["mlp_norm_w"], layer["mlp_norm_b"], args.layer_norm_eps)
+
+
+def encode(params: dict, token_ids: jax.Array, token_type_ids: jax.Array, lengths: jax.Array, *,
+           args: BertArgs, implementation: str | None = None) -> jax.Array:
+    """token_ids, token_type_ids [S, L] (rows padded past lengths[s] >= 1) -> the last layer's
+    hidden states [S, L, H] in the params' dtype (LayerNorms in fp32)."""
+    positions = jnp.arange(token_ids.shape[1]) + args.position_offset
+    x = (params["word_embed"][token_ids] + params["position_embed"][positions][None]
+         + params["type_embed"][token_type_ids])
+    x = layer_norm(x, params["embed_norm_w"], params["embed_norm_b"], args.layer_norm_eps)
+    for layer in params["layers"]:
+        x = _layer(layer, x, lengths, args, implementation)
+    return x

@@ -1,0 +1,92 @@
+"""The pooling runner: one jitted forward + pooler per step over a padded [S, L] batch.
+
+Every (rows, length) bucket of the grid (batch_shapes) is compiled at warm-up, so nothing
+compiles while serving. A step's inputs are built in numpy and its output fetched in one
+device-to-host transfer; a request's row is then finished (models/pooler.py says what it holds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxllm.core.pooling_scheduler import PoolingRequest, bucket
+from jaxllm.worker.model_runner import token_buckets
+
+logger = logging.getLogger(__name__)
+
+
+def batch_shapes(max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> dict[int, list[int]]:
+    """Length bucket L (powers of two from 16, closed by max_model_len) -> its row-count buckets:
+    powers of 4, closed by the most rows of length L the token budget holds (at least one)."""
+    shapes = {}
+    for length in token_buckets(max_model_len):
+        most = max(1, min(max_num_seqs, max_num_batched_tokens // length))
+        rows, size = [], 1
+        while size < most:
+            rows.append(size)
+            size *= 4
+        shapes[length] = rows + [most]
+    return shapes
+
+
+class PoolingRunner:
+    def __init__(self, encode_fn: Callable, params, shapes: dict[int, list[int]],
+                 per_token: bool = False) -> None:
+        """encode_fn(params, token_ids [S, L], token_type_ids [S, L], lengths [S]) -> [S, D]
+        float32 (per_token: [S, L, D], of which a request gets its own tokens)."""
+        self.params = params
+        self.shapes = shapes
+        self.lengths = sorted(shapes)
+        self.per_token = per_token
+        self._jit = jax.jit(encode_fn)
+        self._compiled: dict[tuple[int, int], Callable] = {}
+
+    def bucket_for(self, num_seqs: int, max_len: int) -> tuple[int, int]:
+        length = bucket(max_len, self.lengths)
+        return bucket(num_seqs, self.shapes[length]), length
+
+    @staticmethod
+    def _inputs(requests: list[PoolingRequest], num_rows: int, length: int):
+        token_ids = np.zeros((num_rows, length), np.int32)
+        type_ids = np.zeros((num_rows, length), np.int32)
+        lengths = np.ones(num_rows, np.int32)  # padding rows: one token, so no empty softmax
+        for row, request in enumerate(requests):
+            ids = request.prompt_token_ids
+            token_ids[row, :len(ids)] = ids
+            lengths[row] = len(ids)
+            start = request.pooling_params.token_type_start
+            if start is not None:
+                type_ids[row, start:len(ids)] = 1
+        return token_ids, type_ids, lengths
+
+    def execute(self, requests: list[PoolingRequest]) -> list[np.ndarray]:
+        """Each request's pooled output (float32), in order."""
+        shape = self.bucket_for(len(requests), max(len(r.prompt_token_ids) for r in requests))
+        inputs = self._inputs(requests, *shape)
+        run = self._compiled.get(shape, self._jit)
+        out = np.asarray(jax.device_get(run(self.params, *inputs)))
+        if self.per_token:
+            return [out[i, :len(r.prompt_token_ids)] for i, r in enumerate(requests)]
+        return list(out[:len(requests)])
+
+    def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
+        """Compiles every bucket's program (in a thread pool: XLA compiles without the GIL)."""
+        start = time.perf_counter()
+        shapes = [(rows, length) for length in self.lengths for rows in self.shapes[length]]
+        with ThreadPoolExecutor(max(1, min(len(shapes), os.cpu_count() or 1))) as pool:
+            futures = {pool.submit(self._jit.lower(self.params,
+                                                   *self._inputs([], *shape)).compile): shape
+                       for shape in shapes}
+            for n, future in enumerate(as_completed(futures), 1):
+                self._compiled[futures[future]] = future.result()
+                progress(f"warm-up: compiled {n}/{len(shapes)} pooling programs "
+                         f"({futures[future][0]} x {futures[future][1]} tokens), "
+                         f"{time.perf_counter() - start:.1f}s")
