@@ -245,6 +245,7 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="the reduced CPU matrix")
     parser.add_argument("--jobs", type=int, default=4, help="cases run side by side at most")
     parser.add_argument("--timeout", type=float, default=300.0, help="per case, seconds")
+    parser.add_argument("--only", help="run the cases whose name contains this text")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -253,6 +254,7 @@ def main() -> int:
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
     cases = cpu_matrix() if args.cpu else gpu_matrix(_num_gpus())
+    cases = [case for case in cases if args.only is None or args.only in case.name]
     start = time.perf_counter()
     rows = run_matrix(cases, args.out, 1 if args.cpu else args.jobs, args.timeout)
     judge(rows)

@@ -18,7 +18,7 @@ CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # a CPU has no device memory to measure
 # while warm-up compiles, after the KV cache is allocated; an 8B model's autotuning needs a
 # few GB of it.
 POOL_HEADROOM = 0.1
-MIN_HEADROOM_BYTES = 4 * GiB
+MIN_HEADROOM_BYTES = 8 * GiB
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -56,6 +56,10 @@ def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int
 LogprobEntry = tuple[float, int, list[int], list[float]]
 
 
+def _temp_bytes(analysis) -> int:
+    return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
+
+
 def _logprob_entry(tensors, row: int, num_top: int) -> LogprobEntry:
     return (float(tensors.sampled_logprob[row]), int(tensors.sampled_rank[row]),
             tensors.top_ids[row, :num_top].tolist(), tensors.top_logprobs[row, :num_top].tolist())
@@ -367,11 +371,21 @@ class ModelRunner:
         return self._build_inputs([[]] * self.dp_size, *self.bucket_for(num_tokens_padded))[0]
 
     def activation_bytes(self) -> int:
-        """Temporary device memory of the largest bucket's step (its program with every sampler
-        stage), from XLA's memory analysis."""
-        packed, layout = pack(self._padding_inputs(self.buckets[-1]))
-        analysis = self._lower(packed, layout, self.programs[-1]).compile().memory_analysis()
-        return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis else 0
+        """Temporary device memory of the largest bucket's programs, from XLA's memory analysis:
+        the step with every sampler stage and, run after it with lean steps, prompt logprobs
+        over the step's hidden states (its output stays alive meanwhile)."""
+        inputs = self._padding_inputs(self.buckets[-1])
+        packed, layout = pack(inputs)
+        lowered = self._lower(packed, layout, self.programs[-1])
+        step = lowered.compile().memory_analysis()
+        peak = _temp_bytes(step)
+        if self.lean_steps:
+            hidden = lowered.out_info[0].hidden  # [T, H]
+            prompt = step_fn.prompt_logprobs.lower(
+                self.params, hidden, inputs.next_prompt_ids, model=self.model).compile()
+            peak = max(peak, _temp_bytes(prompt.memory_analysis())
+                       + int(getattr(step, "output_size_in_bytes", 0)))
+        return peak
 
     def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
         """Compiles every bucket's programs ahead of time, then runs each once (with lean steps
