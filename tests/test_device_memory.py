@@ -34,7 +34,7 @@ def test_a_pool_started_larger_than_asked_still_bounds_the_kv_cache_to_the_share
 
 def test_a_pool_started_smaller_than_asked_bounds_the_kv_cache_to_the_pool():
     budget = kv_cache.kv_cache_budget(75 * GIB, 16 * GIB, 0.9, 2 * GIB, 0.75)
-    assert budget.kv_cache == 75 * GIB - int(75 * GIB * 0.1) - 18 * GIB
+    assert budget.kv_cache == 75 * GIB - 8 * GIB - 18 * GIB  # the headroom floor: 8 > 7.5
 
 
 class _Device:
@@ -51,7 +51,7 @@ def test_device_memory_available_logs_what_was_taken_and_why(monkeypatch, caplog
     monkeypatch.setenv(device_memory.FRACTION_ENV, "0.4")
     with caplog.at_level(logging.INFO, logger=kv_cache.__name__):
         available = kv_cache.device_memory_available(0.4, 1 * GIB)
-    assert available == 57 * GIB - int(57 * GIB * 0.1) - 16 * GIB
+    assert available == 57 * GIB - 8 * GIB - 16 * GIB
     [message] = [r.getMessage() for r in caplog.records]
     assert "jax's pool takes 57.00 GiB of the 142.50 GiB device (0.40" in message
     assert "gpu_memory_utilization=0.4" in message and "weights and buffers 15.00 GiB" in message
