@@ -30,7 +30,10 @@ import time
 from dataclasses import asdict, dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIE = 0.05  # logprob gap under which two greedy paths may part
+# Logprob gap under which two greedy paths may part, by dtype: two kernels (Triton and Mosaic
+# prefill, say) round differently, and random weights make near ties common. The kernels'
+# numerics are checked against fp32 references by pallas_kernels.bench; this checks start-up.
+TIE = {"float32": 0.01, "float16": 0.1, "bfloat16": 0.3}
 
 
 @dataclass(frozen=True)
@@ -202,12 +205,14 @@ def judge(rows: list[dict]) -> None:
 
 
 def _agree(a: dict, b: dict) -> bool:
-    """Equal greedy tokens, or parted first where `a` saw a near tie."""
-    for seq_a, seq_b, tops in zip(a["tokens"], b["tokens"], a["top_logprobs"]):
+    """Equal greedy tokens, or parted first where either saw a near tie."""
+    tie = TIE[a["dtype"]]
+    for seq_a, seq_b, tops_a, tops_b in zip(a["tokens"], b["tokens"], a["top_logprobs"],
+                                            b["top_logprobs"]):
         for step, (x, y) in enumerate(zip(seq_a, seq_b)):
             if x != y:
-                best = tops[step]
-                if not (len(best) > 1 and best[0] - best[1] < TIE):
+                if not any(len(t[step]) > 1 and t[step][0] - t[step][1] < tie
+                           for t in (tops_a, tops_b)):
                     return False
                 break
     return True
