@@ -99,6 +99,13 @@ class KVCacheManager:
         or None, allocating nothing, when the pool has too few free blocks."""
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
+        table = self.req_to_blocks.get(request.request_id)
+        if table and not new_computed_blocks and -(-num_tokens // self.block_size) <= len(table):
+            # Most decode grants: no new block, and one to name only when a block fills (in sync
+            # mode) or its last token became known (in async mode: one step later).
+            if (num_tokens % self.block_size <= 1 or num_new_tokens > 1) and self._caches(request):
+                self._cache_blocks(request, num_tokens)
+            return []
         table = self.req_to_blocks.setdefault(request.request_id, [])
         block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
         num_needed = max(-(-num_tokens // self.block_size) - len(table)
@@ -121,7 +128,7 @@ class KVCacheManager:
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Names the request's blocks that are full of known tokens once `num_tokens` are
         computed (tokens still being sampled are named by a later grant)."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if num_full > num_cached:
             self.block_pool.cache_full_blocks(

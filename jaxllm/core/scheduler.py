@@ -189,6 +189,7 @@ class Scheduler:
         preempted_ids: set[str] = set()
         running = self.running
 
+        allocate_slots = self.kv_cache_manager.allocate_slots
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
@@ -196,9 +197,11 @@ class Scheduler:
             if num_new_tokens <= 0:  # nothing to compute until its sampled token arrives
                 req_index += 1
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted_ids)
+            new_block_ids = allocate_slots(request, num_new_tokens)
             if new_block_ids is None:
-                break
+                new_block_ids = self._preempt_until_fits(request, num_new_tokens, preempted_ids)
+                if new_block_ids is None:
+                    break
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
                                                  request.num_computed_tokens))
             grants.append(self._grant(request, num_new_tokens, num_scheduled))
@@ -249,31 +252,32 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, token_budget: int,
                         num_computed: int | None = None) -> int:
-        if request.num_output_placeholders and self._length_capped(
-                request.num_tokens_with_placeholders,
-                request.num_output_tokens + request.num_output_placeholders, request):
+        num_placeholders = request.num_output_placeholders
+        num_tokens = len(request.all_token_ids) + num_placeholders
+        if num_placeholders and self._length_capped(
+                num_tokens, len(request.output_token_ids) + num_placeholders, request):
             return 0  # its token in flight is its last, whatever its id
         if num_computed is None:
             num_computed = request.num_computed_tokens
-        return min(request.num_tokens_with_placeholders - num_computed, token_budget,
-                   self.max_model_len - num_computed)
+        return min(num_tokens - num_computed, token_budget, self.max_model_len - num_computed)
 
     def _length_capped(self, num_tokens: int, num_output_tokens: int, request: Request) -> bool:
         max_tokens = request.sampling_params.max_tokens
         return (num_tokens >= self.max_model_len
                 or (max_tokens is not None and num_output_tokens >= max_tokens))
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             preempted_ids: set[str]) -> list[int] | None:
-        """Allocates blocks for the grant, preempting the newest running requests until it fits;
-        returns the new block ids, or None when the request itself had to be preempted."""
-        while (new_block_ids := self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens)) is None:
+    def _preempt_until_fits(self, request: Request, num_new_tokens: int,
+                            preempted_ids: set[str]) -> list[int] | None:
+        """Preempts the newest running requests until the grant's blocks fit; returns the new
+        block ids, or None when the request itself had to be preempted."""
+        new_block_ids = None
+        while new_block_ids is None:
             victim = self.running.pop()
             self._preempt(victim)
             preempted_ids.add(victim.request_id)
             if victim is request:
                 return None
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
         return new_block_ids
 
     def _preempt(self, request: Request) -> None:
@@ -290,7 +294,8 @@ class Scheduler:
         samples adds a placeholder for its token."""
         num_scheduled[request.request_id] = num_new_tokens
         request.num_computed_tokens += num_new_tokens
-        samples = request.num_computed_tokens == request.num_tokens_with_placeholders
+        samples = (request.num_computed_tokens
+                   == len(request.all_token_ids) + request.num_output_placeholders)
         request.num_output_placeholders += samples
         return _Grant(request, samples)
 

@@ -3,6 +3,7 @@ the memory left, the runner warmed up; and which engine a parallel layout needs.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import jax
@@ -68,6 +69,10 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
                       loaded.args.vocab_size, num_blocks)
     if not config.runner_config.enforce_eager:
         runner.warmup(progress=log)
+    # As vLLM: what start-up allocated leaves the collector's generations, so a full collection
+    # while serving scans only what serving allocates (a long one stalls the step pipeline).
+    gc.collect()
+    gc.freeze()
     return core
 
 

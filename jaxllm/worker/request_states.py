@@ -107,15 +107,24 @@ class RequestStates:
         step for every scheduled request: plain loops, no per-request helpers."""
         self.release(output.finished_req_ids | output.preempted_req_ids)
         num_scheduled, drafts = output.num_scheduled_tokens, output.scheduled_spec_decode_tokens
-        chunks = []
+        states, chunks = self.states, []
         for cached in output.scheduled_cached_reqs:
-            state = self.states[cached.request_id]
-            state.num_computed_tokens = cached.num_computed_tokens
+            request_id, start = cached.request_id, cached.num_computed_tokens
+            state = states[request_id]
+            state.num_computed_tokens = start
             state.new = False
             if cached.new_block_ids:
                 self.block_tables.append(state.row, cached.new_block_ids)
-            chunks.append(_chunk(state, num_scheduled[cached.request_id],
-                                 drafts.get(cached.request_id) if drafts else None))
+            num_tokens = num_scheduled[request_id]
+            if num_tokens == 1 and not drafts:  # a decode: its one token, or a placeholder
+                token_ids = state.token_ids
+                known = start < len(token_ids)
+                chunks.append(ScheduledChunk(
+                    state, [token_ids[start] if known else PLACEHOLDER_TOKEN_ID], start,
+                    start + 1 >= len(token_ids)))
+            else:
+                chunks.append(_chunk(state, num_tokens,
+                                     drafts.get(request_id) if drafts else None))
         for new in output.scheduled_new_reqs:
             chunks.append(_chunk(self._add(new), num_scheduled[new.request_id],
                                  drafts.get(new.request_id) if drafts else None))
