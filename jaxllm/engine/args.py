@@ -11,7 +11,9 @@ import jax
 
 from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
                            ParallelConfig, RunnerConfig, SchedulerConfig)
+from jaxllm.loader import quant_checkpoint
 from jaxllm.loader.loader import read_hf_config, resolve_model_path
+from jaxllm.models import ModelArgs
 
 
 @dataclass
@@ -39,6 +41,8 @@ class EngineArgs:
     served_model_name: str | None = None
     async_scheduling: bool = True
     lean_steps: bool | None = None  # None: on a GPU (RunnerConfig)
+    quantization: str | None = None  # fp8 | gptq | awq | compressed-tensors (vLLM's -q)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
@@ -49,15 +53,16 @@ class EngineArgs:
         default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
                                                                     self.max_num_seqs)
-        return EngineConfig(
+        config = EngineConfig(
             model_config=ModelConfig(
                 model=model_path, hf_config=hf_config, max_model_len=max_model_len,
                 dtype=self.dtype, seed=self.seed, tokenizer=self.tokenizer,
-                served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME),
+                served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
+                quantization=self.quantization),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                cpu_kv_cache_bytes=self.cpu_kv_cache_bytes),
+                cpu_kv_cache_bytes=self.cpu_kv_cache_bytes, kv_cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len),
@@ -71,6 +76,8 @@ class EngineArgs:
                 compilation_cache_dir=self.compilation_cache_dir,
                 enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
                 lean_steps=self.lean_steps))
+        _check_quantization(config)
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -93,6 +100,17 @@ class EngineArgs:
             # The engine reports the first name; the server accepts all of them (server/cli.py).
             values["served_model_name"] = values["served_model_name"][0]
         return cls(**values)
+
+
+def _check_quantization(config: EngineConfig) -> None:
+    """A quantization method or KV cache dtype the model or the GPU cannot run is refused here,
+    before loading."""
+    model = config.model_config
+    if model.quantization is not None:
+            quant_checkpoint.check_supported(model.quantization, model.hf_config,
+                                         ModelArgs.from_hf_config(model.hf_config),
+                                         config.parallel_config.tensor_parallel_size)
+    quant_checkpoint.check_device(model.quantization, config.cache_config.kv_cache_dtype)
 
 
 # -- vLLM's value syntax ------------------------------------------------------------------------
@@ -134,7 +152,7 @@ def parse_dtype(value: str) -> str:
 
 
 _ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),
-            "enable_expert_parallel": ("-ep",)}
+            "enable_expert_parallel": ("-ep",), "quantization": ("-q",)}
 _FLAG_TYPES = {"max_model_len": parse_max_model_len, "max_num_batched_tokens": human_readable_int,
                "cpu_kv_cache_bytes": human_readable_int}
 
@@ -173,7 +191,6 @@ ENGINE_FLAGS_NO_EFFECT = (
 # Accepted at the value that is jaxllm's behaviour, refused at any other: (flag, value).
 ENGINE_FLAGS_DEFAULT_ONLY = (
     ("--pipeline-parallel-size|-pp", "1"),
-    ("--kv-cache-dtype", "auto"),
     ("--tokenizer-mode", "auto"),
     ("--model-impl", "auto"),
     ("--scheduling-policy", "fcfs"),
@@ -186,7 +203,7 @@ ENGINE_FLAGS_DEFAULT_ONLY = (
 ENGINE_FLAGS_NOT_IMPLEMENTED = (
     "--runner", "--convert", "--hf-config-path", "--allowed-local-media-path",
     "--allowed-media-domains", "--revision", "--code-revision", "--tokenizer-revision",
-    "--quantization|-q", "--allow-deprecated-quantization", "--enable-return-routed-experts",
+    "--allow-deprecated-quantization", "--enable-return-routed-experts",
     "--max-logprobs", "--logprobs-mode", "--disable-sliding-window", "--disable-cascade-attn",
     "--skip-tokenizer-init", "--enable-prompt-embeds", "--config-format", "--hf-token",
     "--hf-overrides", "--pooler-config", "--logits-processor-pattern",
