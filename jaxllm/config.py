@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# vLLM's names. fp8 quantises a 16-bit checkpoint at load or reads an FP8 one; gptq and awq read
+# 4-bit checkpoints (vLLM's marlin variants are the same checkpoints); compressed-tensors: its
+# float8 schemes. jaxllm/models/quant.py has the layouts.
+QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
+_QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -19,8 +25,12 @@ class ModelConfig:
     served_model_name: str = DEFAULT_MODEL_NAME
     runner: str = "generate"  # generate | pooling (resolved from "auto" by EngineArgs)
     convert: str = "none"  # none | embed | classify: how a pooling runner uses the model
+    # None: the checkpoint's own quantization_config.quant_method, if any (as vLLM)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantization",
+                           resolve_quantization(self.quantization, self.hf_config))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         if self.max_model_len < 1:
@@ -30,6 +40,31 @@ class ModelConfig:
             raise ValueError(
                 f"User-specified max_model_len ({self.max_model_len}) is greater than the derived "
                 f"max_model_len (max_position_embeddings={derived} in the model's config).")
+
+
+def resolve_quantization(requested: str | None, hf_config: dict) -> str | None:
+    """The method a model runs with: the one asked for, which must match the checkpoint's
+    quantization_config when it has one (vLLM's errors)."""
+    requested = _QUANTIZATION_ALIASES.get(requested, requested)
+    if requested is not None and requested not in QUANTIZATION_METHODS:
+        raise ValueError(f"Unknown quantization method: {requested}. Must be one of "
+                         f"{list(QUANTIZATION_METHODS)}.")
+    checkpoint = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if checkpoint is None:
+        if requested not in (None, "fp8"):
+            raise ValueError(f"Quantization method {requested} needs a checkpoint quantized with "
+                             f"it (a quantization_config with quant_method {requested!r} in "
+                             f"config.json); only fp8 quantizes a 16-bit checkpoint at load.")
+        return requested
+    checkpoint = _QUANTIZATION_ALIASES.get(str(checkpoint).lower(), str(checkpoint).lower())
+    if checkpoint not in QUANTIZATION_METHODS:
+        raise ValueError(f"Unknown quantization method: {checkpoint} (the checkpoint's "
+                         f"quantization_config). Must be one of {list(QUANTIZATION_METHODS)}.")
+    if requested is not None and requested != checkpoint:
+        raise ValueError(f"Quantization method specified in the model config ({checkpoint}) "
+                         f"does not match the quantization method specified in the "
+                         f"`quantization` argument ({requested}).")
+    return checkpoint
 
 
 @dataclass(frozen=True)
@@ -53,8 +88,14 @@ class CacheConfig:
     # Reuse the KV of full blocks whose prefix was computed before (vLLM: on by default).
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash (needs the xxhash package)
+    # auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn pages, one static scale per tensor
+    # (1.0, vLLM's default without --calculate-kv-scales)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
+def to_cache(x: jax.Array, dtype, scale: float) -> jax.Array:
+    """K or V rows as the cache stores them: divided by the cache's static scale, and for a
+    float8 cache saturated to its range (a float8_e4m3fn cast would make NaN of the rest)."""
+    if scale != 1.0:
+        x = x.astype(jnp.float32) / scale
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -limit, limit)
+    return x.astype(dtype)
+
+
 def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-                       slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """k_cache, v_cache: [N, P, Hkv, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
+                       slot_mapping: jax.Array, *, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """k_cache, v_cache: [N, P, Hkv, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32. A float8
+    cache stores k / k_scale and v / v_scale (static per-tensor scales; attention multiplies
+    them back).
 
     A scatter at (page, offset) = divmod(slot, P) into the cache itself; with the cache donated,
     XLA updates it in place. (Scattering into a flattened [N * P, Hkv, D] view instead made XLA
@@ -18,8 +34,8 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
     """
     page_size = k_cache.shape[1]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    return (k_cache.at[page, offset].set(k.astype(k_cache.dtype)),
-            v_cache.at[page, offset].set(v.astype(v_cache.dtype)))
+    return (k_cache.at[page, offset].set(to_cache(k, k_cache.dtype, k_scale)),
+            v_cache.at[page, offset].set(to_cache(v, v_cache.dtype, v_scale)))
 
 
 # Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into
@@ -27,7 +43,8 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
 _BLOCK_TOKENS = 16
 
 
-def _write_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref):
+def _write_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref, *,
+                  k_scale, v_scale):
     del k_cache_in, v_cache_in  # aliased to the outputs
     num_tokens, _, head_dim = k_ref.shape
     token = pl.program_id(0) * _BLOCK_TOKENS + jnp.arange(_BLOCK_TOKENS, dtype=jnp.int32)
@@ -36,12 +53,13 @@ def _write_kernel(slot_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v
     dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     src = (token[:, None], pl.program_id(1), dims)
     dst = (slot[:, None], pl.program_id(1), dims)
-    for src_ref, dst_ref in ((k_ref, k_cache_ref), (v_ref, v_cache_ref)):
+    for src_ref, dst_ref, scale in ((k_ref, k_cache_ref, k_scale), (v_ref, v_cache_ref, v_scale)):
         rows = pltriton.load(src_ref.at[src], mask=valid[:, None], other=0)  # [Bt, D]
-        pltriton.store(dst_ref.at[dst], rows.astype(dst_ref.dtype), mask=valid[:, None])
+        pltriton.store(dst_ref.at[dst], to_cache(rows, dst_ref.dtype, scale), mask=valid[:, None])
 
 
-def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, interpret: bool = False):
+def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, k_scale: float = 1.0,
+                    v_scale: float = 1.0, interpret: bool = False):
     """Same contract as `write_kv_reference`, as a Pallas kernel writing the caches in place."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = k.shape[0]
@@ -51,7 +69,7 @@ def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, interpret: bool = F
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [{num_tokens}]")
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     k_out, v_out = pl.pallas_call(
-        _write_kernel,
+        functools.partial(_write_kernel, k_scale=k_scale, v_scale=v_scale),
         grid=(pl.cdiv(num_tokens, _BLOCK_TOKENS), num_kv_heads),
         out_shape=[jax.ShapeDtypeStruct(flat, k_cache.dtype)] * 2,
         input_output_aliases={3: 0, 4: 1},
@@ -62,8 +80,8 @@ def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, interpret: bool = F
     return k_out.reshape(k_cache.shape), v_out.reshape(v_cache.shape)
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
+def write_kv(k_cache, v_cache, k, v, slot_mapping, **scales):
     """The engine's KV write: the scatter. The Pallas kernel is faster alone, but in a whole step
     XLA fuses the rope and the V slice into the scatter and must materialise them for a custom
     call, which cancels the gain (docs/lab/)."""
-    return write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
+    return write_kv_reference(k_cache, v_cache, k, v, slot_mapping, **scales)

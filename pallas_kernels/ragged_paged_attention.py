@@ -29,10 +29,12 @@ _MASK_INIT = -1e30
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
                                      num_seqs, *, sm_scale: float, sliding_window: int | None = None,
-                                     soft_cap: float | None = None):
+                                     soft_cap: float | None = None, k_scale: float = 1.0,
+                                     v_scale: float = 1.0):
     """Pure jnp, fixed shapes (jittable): an online softmax looped over the page slots that the
     longest live sequence uses (a while loop, so short contexts cost little under a long
     max_model_len). Costs T * P per page slot: the XLA fallback and the tests' reference.
+    k_scale, v_scale: the cache's static per-tensor scales (a float8 cache holds K / k_scale).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -49,8 +51,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     def page_step(j, carry):
         m, l, acc = carry
         page = block_tables[seq, j]  # [T]
-        k = k_cache[page].astype(jnp.float32)  # [T, P, Hkv, D]
-        v = v_cache[page].astype(jnp.float32)
+        k = k_cache[page].astype(jnp.float32) * k_scale  # [T, P, Hkv, D]
+        v = v_cache[page].astype(jnp.float32) * v_scale
         s = jnp.einsum("tkgd,tpkd->tkgp", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -102,7 +104,8 @@ def _next_pow2(n: int) -> int:
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_splits, num_sms):
+                      group_pad, block_q, block_k, page_size, num_splits, num_sms, k_scale,
+                      v_scale):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -140,7 +143,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
                          else jax.lax.Precision.DEFAULT)
         # Base-2 softmax (exp2 is one instruction); without a soft cap the scale and log2(e)
         # fold into one multiply of the scores.
-        qk_scale = sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap
+        qk_scale = (sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap) * k_scale
 
         def tile_slots(t, kv_pos, kv_valid):
             """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""
@@ -162,9 +165,11 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             kv_valid = kv_pos < kv_hi if masked else None
             # dims (an arange) last and unit-stride: Triton vectorises the loads along D
             kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)
-            load_kw = dict(mask=kv_valid[:, None], other=0) if masked else {}
-            k = pltriton.load(k_ref.at[kv_idx], **load_kw)  # [Bk, D]
-            v = pltriton.load(v_ref.at[kv_idx], **load_kw)
+            load_kw = dict(mask=kv_valid[:, None], other=0.0) if masked else {}
+            # a float8 cache is widened to q's dtype in registers (its scales fold into
+            # qk_scale and the output)
+            k = pltriton.load(k_ref.at[kv_idx], **load_kw).astype(q.dtype)  # [Bk, D]
+            v = pltriton.load(v_ref.at[kv_idx], **load_kw).astype(q.dtype)
             s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s)
@@ -194,7 +199,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
                                       carry)
         m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
                                       carry)
-        out = acc / jnp.maximum(l, 1e-30)[:, None]
+        out = acc * (v_scale / jnp.maximum(l, 1e-30))[:, None]
         if num_splits == 1:
             pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
         else:  # each split leaves its normalised output and base-2 log-sum-exp (-inf when empty)
@@ -241,10 +246,11 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seq
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "interpret", "block_q", "block_k", "num_kv_splits",
-    "num_warps", "num_stages", "implementation"))
+    "num_warps", "num_stages", "implementation", "k_scale", "v_scale"))
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, interpret: bool = False,
+                           soft_cap: float | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0, interpret: bool = False,
                            block_q: int | None = None, block_k: int | None = None,
                            num_kv_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, implementation: str | None = None):
@@ -259,19 +265,22 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     and TMA on Hopper, the faster prefill, docs/benchmarks.md) or None: Mosaic for prefill
     buckets (more tokens than sequences) on a Hopper GPU where it supports the call and no
     Triton tile is given, else Triton.
-    Padding rows (past cu_q_lens[num_seqs]) come back zero.
+    Padding rows (past cu_q_lens[num_seqs]) come back zero. A float8_e4m3fn cache (scales
+    k_scale, v_scale) takes the Triton kernel: the Mosaic kernel reads 16-bit pages only.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if implementation not in (None, "triton", "mosaic"):
         raise ValueError(f"implementation={implementation!r} must be None, 'triton' or 'mosaic'")
     supported = mgpu.supports(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap)
-    if implementation == "mosaic" and not supported:
+    unscaled = (k_scale, v_scale) == (1.0, 1.0)
+    if implementation == "mosaic" and not (supported and unscaled):
         raise ValueError("implementation='mosaic' takes 16-bit q/K/V, head_dim 64 or 128, a query "
-                         "group of 1, 2, 4 or 8, a block_size of 8, 16, 32, 64 or 128 and no "
-                         f"sliding window or soft cap; got q {q.shape} {q.dtype}, "
+                         "group of 1, 2, 4 or 8, a block_size of 8, 16, 32, 64 or 128, no KV "
+                         f"scales and no sliding window or soft cap; got q {q.shape} {q.dtype}, "
                          f"k_cache {k_cache.shape}")
     triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
-    auto_mosaic = (implementation is None and supported and not interpret and not triton_tiles
+    auto_mosaic = (implementation is None and supported and unscaled and not interpret
+                   and not triton_tiles
                    and q.shape[0] > block_tables.shape[0] and _is_hopper())
     if implementation == "mosaic" or auto_mosaic:
         return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
@@ -280,13 +289,13 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
                              sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                              interpret=interpret, block_q=block_q, block_k=block_k,
                              num_kv_splits=num_kv_splits, num_warps=num_warps,
-                             num_stages=num_stages)
+                             num_stages=num_stages, k_scale=k_scale, v_scale=v_scale)
 
 
 def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                       sm_scale, sliding_window=None, soft_cap=None, interpret=False, block_q=None,
                       block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
-                      fill_value: float = 0.0):
+                      fill_value: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
     rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
     element it should have written and did not shows."""
@@ -327,7 +336,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits, num_sms=_num_sms())
+        num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(

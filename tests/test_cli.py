@@ -104,7 +104,7 @@ def test_served_model_name_keeps_the_positional_model():
 
 
 @pytest.mark.parametrize("line, flag", [
-    ("--quantization awq", "--quantization"), ("-q awq", "--quantization"),
+    ("--enable-lora", "--enable-lora"), ("--calculate-kv-scales", "--calculate-kv-scales"),
     ("--tool-call-parser hermes", "--tool-call-parser"),
     ("--enable-auto-tool-choice", "--enable-auto-tool-choice"),
     ("--speculative-config {}", "--speculative-config"),
@@ -118,7 +118,7 @@ def test_unimplemented_vllm_flag_is_named(line, flag, capsys):
 
 
 @pytest.mark.parametrize("line, shown", [
-    ("-pp 2", "--pipeline-parallel-size 2"), ("--kv-cache-dtype fp8", "--kv-cache-dtype fp8"),
+    ("-pp 2", "--pipeline-parallel-size 2"), ("--tokenizer-mode slow", "--tokenizer-mode slow"),
     ("--generation-config auto", "--generation-config auto"),
     ("--generation-config /models/x", "--generation-config /models/x"),
     ("--scheduling-policy priority", "--scheduling-policy priority"),
@@ -170,9 +170,16 @@ def test_metrics_prefix_choices(capsys):
 
 def test_jaxllm_command_refuses_before_loading_anything(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "m", "-q", "awq"])
+        main(["serve", "m", "--enable-lora"])
     assert exit_info.value.code == 2
-    assert "jaxllm serve: error: jaxllm does not support --quantization" in capsys.readouterr().err
+    assert "jaxllm serve: error: jaxllm does not support --enable-lora" in capsys.readouterr().err
+
+
+def test_quantization_flags_reach_engine_args():
+    engine_args = EngineArgs.from_cli_args(parse("m -q fp8 --kv-cache-dtype fp8_e4m3"))
+    assert (engine_args.quantization, engine_args.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+    engine_args = EngineArgs.from_cli_args(parse("m --quantization gptq"))
+    assert (engine_args.quantization, engine_args.kv_cache_dtype) == ("gptq", "auto")
 
 
 def test_subcommand_typos_name_the_subcommand(capsys):

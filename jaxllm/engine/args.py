@@ -17,6 +17,8 @@ from jaxllm.engine.pooling_config import (pooling_max_model_len, resolve_pooler_
                                           resolve_runner)
 from jaxllm.loader.loader import read_hf_config, resolve_model_path
 from jaxllm.worker import device_memory
+from jaxllm.loader import quant_checkpoint
+from jaxllm.models import ModelArgs
 
 
 @dataclass
@@ -49,6 +51,8 @@ class EngineArgs:
     runner: str = "auto"  # auto | generate | pooling (auto: from the model's architectures)
     convert: str = "auto"  # auto | none | embed | classify (a pooling runner's task)
     pooler_config: PoolerConfig | dict | str | None = None  # a dict or its JSON on the CLI
+    quantization: str | None = None  # fp8 | gptq | awq | compressed-tensors (vLLM's -q)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
@@ -71,18 +75,19 @@ class EngineArgs:
         default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
                                                                     self.max_num_seqs)
-        return EngineConfig(
+        config = EngineConfig(
             model_config=ModelConfig(
                 model=model_path, hf_config=hf_config, max_model_len=max_model_len,
                 dtype=self.dtype, seed=self.seed, tokenizer=self.tokenizer,
                 served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
-                runner=runner, convert=convert),
+                runner=runner, convert=convert, quantization=self.quantization),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.prefix_caching_hash_algo),
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                kv_cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len),
@@ -97,6 +102,8 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
                 lean_steps=self.lean_steps),
             pooler_config=pooler_config)
+        _check_quantization(config)
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -134,6 +141,17 @@ def _as_pooler_config(value: PoolerConfig | dict | str | None) -> PoolerConfig |
         return PoolerConfig(**value)
     except TypeError as error:
         raise ValueError(f"Invalid pooler_config: {error}") from None
+
+
+def _check_quantization(config: EngineConfig) -> None:
+    """A quantization method or KV cache dtype the model or the GPU cannot run is refused here,
+    before loading."""
+    model = config.model_config
+    if model.quantization is not None:
+            quant_checkpoint.check_supported(model.quantization, model.hf_config,
+                                         ModelArgs.from_hf_config(model.hf_config),
+                                         config.parallel_config.tensor_parallel_size)
+    quant_checkpoint.check_device(model.quantization, config.cache_config.kv_cache_dtype)
 
 
 # -- vLLM's value syntax ------------------------------------------------------------------------
@@ -175,7 +193,7 @@ def parse_dtype(value: str) -> str:
 
 
 _ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),
-            "enable_expert_parallel": ("-ep",)}
+            "enable_expert_parallel": ("-ep",), "quantization": ("-q",)}
 _FLAG_TYPES = {"max_model_len": parse_max_model_len, "max_num_batched_tokens": human_readable_int,
                "kv_cache_memory_bytes": human_readable_int}
 
@@ -215,7 +233,6 @@ ENGINE_FLAGS_NO_EFFECT = (
 # Accepted at the value that is jaxllm's behaviour, refused at any other: (flag, value).
 ENGINE_FLAGS_DEFAULT_ONLY = (
     ("--pipeline-parallel-size|-pp", "1"),
-    ("--kv-cache-dtype", "auto"),
     ("--tokenizer-mode", "auto"),
     ("--model-impl", "auto"),
     ("--scheduling-policy", "fcfs"),
@@ -228,7 +245,7 @@ ENGINE_FLAGS_DEFAULT_ONLY = (
 ENGINE_FLAGS_NOT_IMPLEMENTED = (
     "--hf-config-path", "--allowed-local-media-path",
     "--allowed-media-domains", "--revision", "--code-revision", "--tokenizer-revision",
-    "--quantization|-q", "--allow-deprecated-quantization", "--enable-return-routed-experts",
+    "--allow-deprecated-quantization", "--enable-return-routed-experts",
     "--max-logprobs", "--logprobs-mode", "--disable-sliding-window", "--disable-cascade-attn",
     "--skip-tokenizer-init", "--enable-prompt-embeds", "--config-format", "--hf-token",
     "--hf-overrides", "--logits-processor-pattern",

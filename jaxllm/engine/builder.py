@@ -59,8 +59,9 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
     cache = config.cache_config
     kv_cache.check_fits(num_blocks, cache.block_size, config.model_config.max_model_len,
                         block_bytes)
-    log(f"KV cache: {num_blocks} blocks of {cache.block_size} tokens "
-        f"({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
+    log(f"Quantization: {config.model_config.quantization or 'none'}; KV cache: {num_blocks} "
+        f"blocks of {cache.block_size} tokens, {_kv_cache_dtype(config, sharded)}"
+        f" ({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
         + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else ""))
     runner = _make_runner(config, sharded, dp_size, num_blocks)
     schedulers = [Scheduler(config.scheduler_config, cache, num_blocks) for _ in range(dp_size)]
@@ -76,18 +77,24 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
     return core
 
 
+def _kv_cache_dtype(config: EngineConfig, sharded: ShardedModel):
+    """The pages' dtype: the model's, or float8_e4m3fn for --kv-cache-dtype fp8 / fp8_e4m3."""
+    return kv_cache.cache_dtype(config.cache_config.kv_cache_dtype,
+                                jax.tree.leaves(sharded.loaded.params)[0].dtype)
+
+
 def _block_bytes(config: EngineConfig, sharded: ShardedModel) -> int:
     """K and V of one block over all layers, per device (the cache splits KV heads over TP)."""
     args = sharded.args
-    dtype = jax.tree.leaves(sharded.loaded.params)[0].dtype
     return kv_cache.bytes_per_block(args.num_layers, config.cache_config.block_size,
-                                    args.num_kv_heads // sharded.tp, args.head_dim, dtype)
+                                    args.num_kv_heads // sharded.tp, args.head_dim,
+                                    _kv_cache_dtype(config, sharded))
 
 
 def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                  num_blocks: int) -> ModelRunner:
     args, sched = sharded.args, config.scheduler_config
-    dtype = jax.tree.leaves(sharded.loaded.params)[0].dtype
+    dtype = _kv_cache_dtype(config, sharded)
     caches = kv_cache.allocate_kv_caches(args.num_layers, dp_size * num_blocks,
                                          config.cache_config.block_size, args.num_kv_heads,
                                          args.head_dim, dtype, sharded.kv_cache_sharding)

@@ -13,6 +13,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
 from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.models.attention import attention_backend
+from jaxllm.models.quant import quantize_params_fp8
 from jaxllm.sharding.mesh import make_mesh, validate_model_parallelism
 from jaxllm.sharding.rules import ShardingPlan
 
@@ -41,10 +42,12 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     model = config.model_config
     attn, write_kv = attention_backend(config.runner_config.attention_backend)
     load = partial(load_model, model.model, model.dtype, config.load_config.load_format,
-                   model.seed, tokenizer=model.tokenizer)
+                   model.seed, tokenizer=model.tokenizer, quantization=model.quantization)
     if mesh is None:
         loaded = load()
         loaded.params = fuse_params(loaded.params, loaded.args.num_kv_heads, free_inputs=True)
+        if model.quantization == "fp8" and "quantization_config" not in model.hf_config:
+            loaded.params = quantize_params_fp8(loaded.params)
         return ShardedModel(loaded, loaded.args, partial(forward, args=loaded.args, attn=attn,
                                                          write_kv=write_kv), None)
     expert_parallel = config.parallel_config.enable_expert_parallel

@@ -16,6 +16,7 @@ from jaxllm.loader.dummy import dummy_params
 from jaxllm.loader.hf_names import flatten_paths, map_hf_name, split_expert_path, unflatten_paths
 from jaxllm.loader.orbax_ckpt import is_orbax_checkpoint, restore_params
 from jaxllm.loader.placement import Shardings, place
+from jaxllm.loader.quant_checkpoint import QuantizedLinears
 from jaxllm.loader.safetensors_io import count_tensors, iter_tensors, safetensors_files
 from jaxllm.models import ModelArgs, param_shapes
 from jaxllm.models.presets import PRESETS
@@ -75,10 +76,12 @@ def read_hf_config(model_path: str, load_format: str = "auto") -> dict:
 
 
 def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
-               shardings: Shardings | None = None, tokenizer: str | None = None) -> LoadedModel:
+               shardings: Shardings | None = None, tokenizer: str | None = None,
+               quantization: str | None = None) -> LoadedModel:
     """model: a local HF directory, an Orbax checkpoint directory (`jaxllm convert`), a
     Llama-architecture .gguf file (converted once into the cache), a preset name (dummy only), or
-    None for the default model."""
+    None for the default model. quantization: the checkpoint's method (ModelConfig's), whose
+    quantised linears load packed."""
     model = resolve_model_path(model, load_format)
     target = resolve_dtype(dtype)
     if load_format == "dummy" and model in PRESETS:
@@ -90,7 +93,8 @@ def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto"
     elif is_orbax_checkpoint(model):  # written by `jaxllm convert`: each device reads its shard
         params = restore_params(model, args, shardings, target)
     else:
-        params = load_safetensors(model, args, target, shardings)
+        params = load_safetensors(model, args, target, shardings,
+                                  QuantizedLinears(quantization, hf_config, target))
     tok = load_tokenizer(tokenizer or model)
     return LoadedModel(args=args, params=params, hf_config=hf_config, tokenizer=tok,
                        eos_token_ids=eos_token_ids(model, hf_config, tok), model_path=model,
@@ -112,9 +116,12 @@ _HEADS = frozenset({"lm_head", "score"})
 
 
 def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Shardings | None = None,
-                     shapes: dict | None = None) -> dict:
-    """Every tensor read memory-mapped, converted and placed on device one at a time. shapes:
-    the params pytree to fill (default param_shapes(args)); heads outside it are skipped."""
+                     shapes: dict | None = None,
+                     quantized: QuantizedLinears | None = None) -> dict:
+    """Every tensor read memory-mapped, converted and placed on device one at a time; the
+    tensors of quantised linears go to `quantized`, which builds their weights at the end.
+    shapes: the params pytree to fill (default param_shapes(args)); heads outside it are
+    skipped."""
     expected = flatten_paths(shapes or param_shapes(args))
     files = safetensors_files(model_dir)
     flat, experts = {}, {}
@@ -123,6 +130,8 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
         for path in files:
             for name, host in iter_tensors(path):
                 progress.update()
+                if quantized is not None and quantized.take(name, host):
+                    continue
                 mapped = map_hf_name(name)
                 if mapped is None or (mapped[0] in _HEADS and mapped[0] not in expected):
                     continue
@@ -136,6 +145,12 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
                     raise ValueError(f"Weight {name} has shape {host.shape}; the config expects "
                                      f"{expected.get(param)} for {param}.")
                 flat[param] = place(host, dtype, transpose, shardings(param) if shardings else None)
+    for name, weight in quantized.weights() if quantized is not None else ():
+        param = map_hf_name(name)[0]
+        if expected.get(param) != weight.shape:
+            raise ValueError(f"Quantised weight {name} stands for a {weight.shape} matrix; the "
+                             f"config expects {expected.get(param)} for {param}.")
+        flat[param] = weight
     for param, by_index in experts.items():
         stacked = np.stack([by_index[j] for j in sorted(by_index)])  # [E, in, out]
         if expected.get(param) != stacked.shape:

@@ -11,28 +11,38 @@ wv, w_gate, w_up); `fuse_params` builds, per layer:
                            repeated up to TP, Hkv here is TP).
   bqkv [Hkv, G + 2, D]     the same for the biases (Qwen2).
   w_gate_up [H, 2, I]      gate then up; TP splits I, as it splits w_down's rows.
+Quantised weights (jaxllm/models/quant.py) fuse the same way, each of their arrays along its
+output axes.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.models.quant import map_out
 
 
 def _fuse_layer(layer: dict, num_kv_heads: int) -> dict:
     layer = dict(layer)
     for prefix, fused_name in (("w", "wqkv"), ("b", "bqkv")):
         if f"{prefix}q" in layer:
-            q, k, v = (layer.pop(f"{prefix}{name}") for name in "qkv")
-            lead = q.shape[:-1]  # (H,) for weights, () for biases
-            head_dim = k.shape[-1] // num_kv_heads
-            layer[fused_name] = jnp.concatenate(
-                [x.reshape(*lead, num_kv_heads, -1, head_dim) for x in (q, k, v)], axis=-2)
+            qkv = [layer.pop(f"{prefix}{name}") for name in "qkv"]
+            layer[fused_name] = map_out(partial(_concat_heads, num_kv_heads=num_kv_heads), qkv)
     if "w_gate" in layer:
-        layer["w_gate_up"] = jnp.stack([layer.pop("w_gate"), layer.pop("w_up")], axis=-2)
+        layer["w_gate_up"] = map_out(lambda *gate_up: jnp.stack(gate_up, axis=-2),
+                                     [layer.pop("w_gate"), layer.pop("w_up")])
     return layer
+
+
+def _concat_heads(q, k, v, *, num_kv_heads: int):
+    lead = q.shape[:-1]  # (H,) for weights, () for biases
+    head_dim = k.shape[-1] // num_kv_heads
+    return jnp.concatenate([x.reshape(*lead, num_kv_heads, -1, head_dim) for x in (q, k, v)],
+                           axis=-2)
 
 
 _fuse = jax.jit(_fuse_layer, static_argnums=1)
@@ -53,7 +63,10 @@ def fuse_params(params: dict, num_kv_heads: int, sharding_of: Callable | None = 
                                                              value.shape))
                      if name in FUSED_NAMES else value for name, value in fused.items()}
         if free_inputs:
+            kept = {id(leaf) for leaf in jax.tree.leaves(fused)}  # a shared act-order perm
             for name in layer.keys() - fused.keys():
-                layer[name].delete()
+                for leaf in jax.tree.leaves(layer[name]):
+                    if id(leaf) not in kept:
+                        leaf.delete()
         layers.append(fused)
     return {**params, "layers": layers}

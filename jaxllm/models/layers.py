@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.args import ModelArgs
+from jaxllm.models.quant import linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -58,8 +59,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs) -> jax.Array:
     """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I]."""
-    gate_up = jnp.einsum("th,hci->tci", x, layer["w_gate_up"])
-    return jnp.einsum("ti,ih->th", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], layer["w_down"])
+    gate_up = linear(x, layer["w_gate_up"])
+    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], layer["w_down"])
 
 
 def dense_mlp_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.args import ModelArgs
 from jaxllm.models.layers import MLPS, dense_mlp
+from jaxllm.models.quant import linear
 from jaxllm.sharding.axes import DATA, TENSOR
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 
@@ -76,9 +77,7 @@ def grouped_experts(x, weights, experts, w_gate, w_up, w_down, expert_offset):
 
 
 def _swiglu(x, w_gate, w_up, w_down):
-    gate = jnp.einsum("th,hi->ti", x, w_gate)
-    up = jnp.einsum("th,hi->ti", x, w_up)
-    return jnp.einsum("ti,ih->th", jax.nn.silu(gate) * up, w_down)
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 def _mesh_axes() -> dict[str, int]:

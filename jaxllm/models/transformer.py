@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxllm.models.args import ModelArgs
 from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" MLPs)
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
+from jaxllm.models.quant import linear
 from jaxllm.models.batch import StepBatch
 from pallas_kernels.kv_write import write_kv_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -48,13 +49,13 @@ def param_shapes(args: ModelArgs) -> dict:
 
 
 def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
-    out = jnp.einsum("th,ho->to", x, layer[w])
+    out = linear(x, layer[w])
     return out + layer[b] if b in layer else out
 
 
 def _qkv(layer: dict, h: jax.Array, args: ModelArgs):
     """h [T, H] -> q [T, Hq, D], k, v [T, Hkv, D]: one GEMM over the fused wqkv (models/fused.py)."""
-    qkv = jnp.einsum("th,hgcd->tgcd", h, layer["wqkv"])  # [T, Hkv, G + 2, D]
+    qkv = linear(h, layer["wqkv"])  # [T, Hkv, G + 2, D]
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     group = args.num_heads // args.num_kv_heads

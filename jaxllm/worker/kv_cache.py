@@ -21,6 +21,11 @@ POOL_HEADROOM = 0.1
 MIN_HEADROOM_BYTES = 8 * GiB
 
 
+def cache_dtype(kv_cache_dtype: str, model_dtype):
+    """CacheConfig.kv_cache_dtype -> the pages' dtype ("auto": the model's)."""
+    return jnp.dtype(model_dtype if kv_cache_dtype == "auto" else jnp.float8_e4m3fn)
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype) -> int:
     """K and V of one block across all layers."""

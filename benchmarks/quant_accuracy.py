@@ -1,0 +1,114 @@
+"""What each quantisation costs on a real model: perplexity over a fixed corpus and agreement of
+greedy outputs with the 16-bit model, for bf16, FP8 weights, FP8 KV cache, both, and int4 (a
+GPTQ-format checkpoint this script writes by RTN, jaxllm/loader/gptq_writer.py).
+
+    python benchmarks/quant_accuracy.py [--model DIR] [--out docs/lab/...md]
+
+Default model: SmolLM2-135M-Instruct (`LLM()`'s). Runs on a CPU (XLA emulates the FP8 dots and
+casts exactly as the GPU rounds them; the numbers are the formats', not the kernels' speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import tempfile
+import time
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.loader.default_model import default_model_dir
+from jaxllm.loader.gptq_writer import write_rtn_gptq
+
+CORPUS = os.path.join(os.path.dirname(__file__), "data", "quant_corpus.txt")
+WINDOW = 512  # tokens per perplexity window (each window scored on its own)
+PROMPTS = [
+    "The capital of France is", "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.", "List three uses of copper.",
+    "Once upon a time, in a small village by the mountains,", "The theory of relativity says",
+    "How do I boil an egg?", "def fibonacci(n):", "The three primary colours are",
+    "Translate to French: Good morning, how are you?", "Why is the sky blue?",
+    "A recipe for pancakes:", "The largest planet in the solar system is",
+    "Summarise the plot of Romeo and Juliet.", "In 1969, the first humans", "Water boils at",
+]
+NUM_TOKENS = 32
+CONFIGS = {  # name -> (checkpoint: "base" | "int4", EngineArgs fields)
+    "bf16": ("base", {}),
+    "fp8 weights": ("base", {"quantization": "fp8"}),
+    "fp8 KV cache": ("base", {"kv_cache_dtype": "fp8"}),
+    "fp8 weights + KV": ("base", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+    "int4 RTN (GPTQ, g64)": ("int4", {}),
+}
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    windows = [token_ids[i:i + WINDOW] for i in range(0, len(token_ids), WINDOW)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    total, count = 0.0, 0
+    for window, out in zip(windows, outs):
+        for token, entry in zip(window[1:], out.prompt_logprobs[1:]):
+            total += entry[token].logprob
+            count += 1
+    return math.exp(-total / count)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def agreement(outputs, reference) -> tuple[int, float]:
+    """(prompts whose tokens all agree, mean number of leading tokens that agree)."""
+    prefix = []
+    for got, want in zip(outputs, reference):
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        prefix.append(same)
+    return sum(p == NUM_TOKENS for p in prefix), sum(prefix) / len(prefix)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="an HF directory (default: SmolLM2-135M)")
+    parser.add_argument("--out", default=None, help="write the markdown table here")
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    args = parser.parse_args()
+    base = args.model or default_model_dir()
+    int4_dir = write_rtn_gptq(base, tempfile.mkdtemp(prefix="rtn_gptq_"), group_size=64)
+    corpus_ids = None
+    rows, reference = [], None
+    for name in args.configs:
+        checkpoint, extra = CONFIGS[name]
+        start = time.time()
+        llm = LLM(base if checkpoint == "base" else int4_dir, dtype="bfloat16",
+                  enforce_eager=True, max_num_seqs=16, max_model_len=WINDOW + NUM_TOKENS + 64,
+                  **extra)
+        if corpus_ids is None:
+            with open(CORPUS) as f:
+                corpus_ids = llm.get_tokenizer()(f.read())["input_ids"]
+        ppl = perplexity(llm, corpus_ids)
+        outputs = greedy(llm)
+        reference = reference or outputs
+        full, mean_prefix = agreement(outputs, reference)
+        rows.append(dict(config=name, perplexity=ppl, agree=full, mean_prefix=mean_prefix,
+                         seconds=time.time() - start))
+        print(json.dumps(rows[-1]), flush=True)
+        del llm
+        gc.collect()
+    table = [f"Corpus: {os.path.relpath(CORPUS)} ({len(corpus_ids)} tokens, windows of "
+             f"{WINDOW}); greedy: {len(PROMPTS)} prompts x {NUM_TOKENS} tokens against "
+             f"{args.configs[0]}.", "",
+             "| config | perplexity | prompts identical | mean tokens before divergence |",
+             "| --- | --- | --- | --- |"]
+    table += [f"| {r['config']} | {r['perplexity']:.3f} | {r['agree']}/{len(PROMPTS)} | "
+              f"{r['mean_prefix']:.1f} / {NUM_TOKENS} |" for r in rows]
+    print("\n".join(table))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()

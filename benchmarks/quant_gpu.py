@@ -1,0 +1,162 @@
+"""One H200 call: what quantisation buys on the Llama-3.1-8B shape (dummy weights), printed a row
+at a time and written to OUT/quant_gpu.json and .md.
+
+    python benchmarks/quant_gpu.py --out DIR          # one H200, about 6 minutes
+    python benchmarks/quant_gpu.py --out DIR --cpu    # a tiny shape, to test the script anywhere
+
+1. Batch-1 decode ms/step (1000-token context) and % of its own bandwidth floor for bf16,
+   fp8 weights and int4 weights (random packed 4-bit weights, group 128: the GPTQ/AWQ compute
+   path, no checkpoint needed). Targets: fp8 <= 2.3 ms; int4 >= 75% of its floor.
+2. Offline 1000 prompts x 1000 in / 1000 out, fp8 weights + fp8 KV cache. Target >= 17,744
+   output tok/s (TensorRT-LLM, Llama-3.1-8B FP8, one H200: NVIDIA's published perf overview).
+3. Offline 200 x 180 in / 1000 out, fp8 weights. Target >= 22,000 output tok/s.
+4. KV cache blocks with each cache dtype (bf16 vs fp8) at the same memory settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.bench import roofline
+from jaxllm.models.quant import QUANTIZED_NAMES, Int4Weight
+
+PRESET = "llama-3.1-8b"
+
+
+def random_int4(params: dict, group: int = 128) -> dict:
+    """The engine's params with every projection replaced by random packed 4-bit weights of its
+    shape (the 16-bit matrices freed)."""
+    key = jax.random.key(0)
+    layers = []
+    for layer in params["layers"]:
+        layer = dict(layer)
+        for name in QUANTIZED_NAMES:
+            if name in layer:
+                w = layer[name]
+                k, out = w.shape[0], w.shape[1:]
+                kp = -(-k // 128) * 128
+                key, sub = jax.random.split(key)
+                qweight = jax.random.bits(sub, (kp // 8, *out), jnp.uint32).view(jnp.int32)
+                scales = jnp.full((kp // group, *out), 2e-3, w.dtype)
+                zeros = jnp.full((kp // group, *out), 8, jnp.uint8)
+                layer[name] = Int4Weight(qweight, scales, zeros, None, k)
+                w.delete()
+        layers.append(layer)
+    return {**params, "layers": layers}
+
+
+def weight_bytes(args, kind: str) -> float:
+    """A batch-1 step's weight bytes: projections at 2 / 1 / ~0.52 bytes (int4 with its bf16
+    scales and uint8 zeros per group of 128), embedding row and LM head at 2."""
+    head = args.hidden_size * (args.vocab_size + 1) * 2
+    layers = roofline.weight_bytes_per_step(args, 1, 1) - args.hidden_size * (args.vocab_size + 1)
+    per_weight = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5 + 3 / 128}[kind]
+    return layers * per_weight + head
+
+
+def decode_ms(llm: LLM, context: int, steps: int) -> float:
+    """ms per decode step at batch 1: (time of 1 + steps tokens - time of 1 token) / steps."""
+    prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(10, 1000, context))}
+    def run(n):
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - start
+    run(steps + 1)  # warm (eager programs compile here)
+    return 1e3 * (min(run(steps + 1) for _ in range(2)) - min(run(1) for _ in range(2))) / steps
+
+
+def throughput(llm: LLM, num: int, input_len: int, output_len: int) -> float:
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(10, 30000, input_len).tolist()}
+               for _ in range(num)]
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu", action="store_true", help="tiny shape and workloads (a test)")
+    cli = parser.parse_args()
+    os.makedirs(cli.out, exist_ok=True)
+    if cli.cpu:
+        model, scale = _tiny_llama_dir(), dict(context=64, steps=4, big=(8, 32, 16),
+                                               mid=(8, 16, 16))
+        base = dict(model=model, max_model_len=256, max_num_seqs=8, enforce_eager=True)
+    else:
+        model, scale = PRESET, dict(context=1000, steps=64, big=(1000, 1000, 1000),
+                                    mid=(200, 180, 1000))
+        base = dict(model=model, load_format="dummy", dtype="bfloat16", max_model_len=2048)
+    args = roofline.model_args_of(model, base.get("load_format", "auto"))
+    ceilings = roofline.measure_ceilings("bfloat16")
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def build(**kw):
+        gc.collect()
+        return LLM(**{**base, **kw})
+
+    for kind, kw in (("bf16", {}), ("fp8", {"quantization": "fp8"}), ("int4", {})):
+        llm = build(max_num_seqs=1, enforce_eager=kind == "int4" or cli.cpu, **kw)
+        if kind == "int4":
+            llm.llm_engine.runner.params = random_int4(llm.llm_engine.runner.params)
+        ms = decode_ms(llm, scale["context"], scale["steps"])
+        kv = scale["context"] * roofline.kv_bytes_per_token(args)
+        floor_ms = 1e3 * (weight_bytes(args, kind) + kv) / ceilings.hbm_bytes_per_s
+        record(dict(test="batch-1 decode", weights=kind, ms_per_step=ms, floor_ms=floor_ms,
+                    pct_of_floor=100 * floor_ms / ms, kv_blocks=llm.llm_engine.num_blocks))
+        del llm
+    for label, workload, kw in (
+            ("1000/1000", scale["big"], {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+            ("200/180", scale["mid"], {"quantization": "fp8"})):
+        llm = build(**kw)
+        record(dict(test=f"offline {label}", config=kw, output_tok_per_s=throughput(
+            llm, *workload), kv_blocks=llm.llm_engine.num_blocks))
+        del llm
+    _write(cli.out, rows, ceilings)
+
+
+def _write(out: str, rows: list[dict], ceilings) -> None:
+    with open(os.path.join(out, "quant_gpu.json"), "w") as f:
+        json.dump({"ceilings": ceilings.as_dict(), "rows": rows}, f, indent=2)
+    lines = ["| test | config | result | KV blocks |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        if "ms_per_step" in r:
+            result = (f"{r['ms_per_step']:.2f} ms/step, {r['pct_of_floor']:.1f}% of its floor "
+                      f"({r['floor_ms']:.2f} ms)")
+            config = f"{r['weights']} weights"
+        else:
+            result, config = f"{r['output_tok_per_s']:,.0f} output tok/s", json.dumps(r["config"])
+        lines.append(f"| {r['test']} | {config} | {result} | {r['kv_blocks']} |")
+    with open(os.path.join(out, "quant_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _tiny_llama_dir() -> str:
+    """A tiny random Llama (hidden 128) saved by HF, for --cpu."""
+    import sys
+    import tempfile
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from conftest import TINY_CONFIGS, build_tiny_tokenizer, save_random_checkpoint
+    config = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256)
+    return save_random_checkpoint(config, tempfile.mkdtemp(), build_tiny_tokenizer())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Quantised checkpoints: which a model can run, and their linears read into models/quant.py's
+weights (integer repacking on the host; nothing is dequantised to 16 bits).
+
+Formats, as their writers define them (HF weights are [out, in] = [N, K]):
+  fp8 (vLLM) / compressed-tensors float8: `weight` float8_e4m3fn [N, K], `weight_scale` one
+      value per tensor ([] or [1]) or per output channel ([N] or [N, 1]); `input_scale` (static
+      activation scales) is read and not used: activations are scaled per token.
+  gptq: `qweight` [K / 8, N] int32, nibble i of word r = row 8r + i; `qzeros` [K / g, N / 8]
+      int32, nibble i of word c = column 8c + i, stored minus one (GPTQ's v1 format);
+      `scales` [K / g, N]; `g_idx` [K]: the group of each input row (act order permutes it).
+  awq (GEMM): `qweight` [K, N / 8] and `qzeros` [K / g, N / 8] int32 packed along N in the order
+      0 2 4 6 1 3 5 7 (nibble i = column 8c + _AWQ_ORDER[i]); `scales` [K / g, N]. No offset.
+  w[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n].
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.models import ModelArgs
+from jaxllm.models.quant import INT4_CHUNK_ROWS, Fp8Weight, Int4Weight, pack_int4
+
+logger = logging.getLogger(__name__)
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale", "weight")
+_GPTQ_GROUPS = (32, 64, 128)
+
+
+def check_supported(method: str | None, hf_config: dict, args: ModelArgs,
+                    tensor_parallel_size: int) -> None:
+    """Refuses, before loading, a method this model or jaxllm cannot run, with the reason."""
+    if method is None:
+        return
+    if tensor_parallel_size > 1:
+        raise ValueError(f"Quantization method {method} runs on one device in jaxllm for now "
+                         f"(tensor_parallel_size=1), got tensor_parallel_size="
+                         f"{tensor_parallel_size}.")
+    qconfig = hf_config.get("quantization_config") or {}
+    if method in ("gptq", "awq"):
+        _check_int4(method, qconfig, args)
+    elif method == "compressed-tensors":
+        _check_compressed_tensors(qconfig)
+    elif qconfig and args.num_experts:
+        raise ValueError(f"{method} checkpoints of MoE models ({args.architecture}) are not "
+                         "supported by jaxllm yet (--quantization fp8 on a 16-bit MoE "
+                         "checkpoint quantises its attention and dense layers).")
+    if method == "fp8" and qconfig.get("weight_block_size"):
+        raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not "
+                         "supported by jaxllm yet: only per-tensor and per-channel scales.")
+
+
+# Hopper/Ada for FP8 (tensor cores and Triton's float8 casts); the int4 kernel needs Ampere
+_MIN_CAPABILITY = {"fp8": 89, "compressed-tensors": 89, "gptq": 80, "awq": 80}
+
+
+def check_device(method: str | None, kv_cache_dtype: str) -> None:
+    """vLLM's refusal of a method the GPU cannot run (a CPU runs every method, slowly)."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return
+    current = int(str(capability).replace(".", ""))
+    for name, what in ((method, "quantization method"),
+                       ("fp8" if kv_cache_dtype != "auto" else None, "kv_cache_dtype")):
+        if name is not None and current < _MIN_CAPABILITY[name]:
+            raise ValueError(f"The {what} {name} is not supported for the current GPU. Minimum "
+                             f"capability: {_MIN_CAPABILITY[name]}. Current capability: "
+                             f"{current}.")
+
+
+def _check_int4(method: str, qconfig: dict, args: ModelArgs) -> None:
+    bits = qconfig.get("bits", qconfig.get("w_bit"))
+    group = qconfig.get("group_size", qconfig.get("q_group_size"))
+    if bits != 4:
+        raise ValueError(f"{method} with {bits}-bit weights is not supported: jaxllm runs "
+                         "4-bit GPTQ/AWQ checkpoints.")
+    if group not in _GPTQ_GROUPS:
+        raise ValueError(f"{method} with group_size {group} is not supported; supported: "
+                         f"{list(_GPTQ_GROUPS)}.")
+    if method == "awq" and str(qconfig.get("version", "gemm")).lower() != "gemm":
+        raise ValueError(f"AWQ version {qconfig.get('version')!r} is not supported; only the "
+                         "GEMM layout.")
+    if method == "awq" and not qconfig.get("zero_point", True):
+        raise ValueError("AWQ without zero points is not supported.")
+    if args.num_experts:
+        raise ValueError(f"{method} is not supported for MoE models ({args.architecture}) in "
+                         "jaxllm; it runs 4-bit Llama/Qwen/Mistral dense checkpoints.")
+
+
+def _check_compressed_tensors(qconfig: dict) -> None:
+    for name, group in (qconfig.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or \
+                weights.get("strategy") not in ("tensor", "channel"):
+            raise ValueError(f"compressed-tensors scheme {name} ({weights}) is not supported: "
+                             "jaxllm reads float8 weights with per-tensor or per-channel scales.")
+
+
+def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dtype):
+    """One linear's checkpoint tensors -> its quantised weight on device, in the [K, *out]
+    storage layout the loader and fuse_params use (before fusion)."""
+    if "weight" in tensors:
+        return _fp8_weight(tensors)
+    if method == "gptq":
+        q, zeros, scales, g_idx = unpack_gptq(tensors, qconfig)
+    else:
+        q, zeros, scales = unpack_awq(tensors)
+        g_idx = None
+    return int4_weight(q, zeros, scales, g_idx, dtype)
+
+
+def _fp8_weight(tensors: dict[str, np.ndarray]) -> Fp8Weight:
+    values = tensors["weight"]  # [N, K]
+    scale = np.asarray(tensors["weight_scale"], np.float32).reshape(-1)
+    if scale.size not in (1, values.shape[0]):
+        raise ValueError(f"weight_scale of {scale.size} values for a [{values.shape[0]}, "
+                         f"{values.shape[1]}] weight: only per-tensor and per-channel scales.")
+    scale = np.broadcast_to(scale, (values.shape[0],))
+    return Fp8Weight(jax.device_put(values), jax.device_put(np.ascontiguousarray(scale)))
+
+
+def _unpack_rows(packed: np.ndarray) -> np.ndarray:
+    """[R, C] int32, nibble i of word r = row 8r + i -> [8R, C] uint8."""
+    words = packed.view(np.uint32)
+    nibbles = [(words >> np.uint32(4 * i)) & 0xF for i in range(8)]
+    return np.stack(nibbles, axis=1).reshape(-1, packed.shape[1]).astype(np.uint8)
+
+
+def _unpack_cols(packed: np.ndarray, order=tuple(range(8))) -> np.ndarray:
+    """[R, C] int32, nibble i of word c = column 8c + order[i] -> [R, 8C] uint8."""
+    words = packed.view(np.uint32)
+    out = np.empty((packed.shape[0], packed.shape[1], 8), np.uint8)
+    for i, column in enumerate(order):
+        out[:, :, column] = (words >> np.uint32(4 * i)) & 0xF
+    return out.reshape(packed.shape[0], -1)
+
+
+def unpack_gptq(tensors: dict, qconfig: dict):
+    """-> (q [K, N] uint8, zeros [K/g, N] uint8, scales [K/g, N], g_idx [K] or None)."""
+    q = _unpack_rows(tensors["qweight"])
+    zeros = _unpack_cols(tensors["qzeros"])
+    if qconfig.get("checkpoint_format", "gptq") == "gptq":  # v1 stores each zero minus one
+        zeros = ((zeros.astype(np.int32) + 1) & 0xF).astype(np.uint8)
+    return q, zeros, tensors["scales"], tensors.get("g_idx")
+
+
+def unpack_awq(tensors: dict):
+    """-> (q [K, N] uint8, zeros [K/g, N] uint8, scales [K/g, N])."""
+    return (_unpack_cols(tensors["qweight"], _AWQ_ORDER),
+            _unpack_cols(tensors["qzeros"], _AWQ_ORDER), tensors["scales"])
+
+
+def act_order(g_idx: np.ndarray | None, num_groups: int) -> np.ndarray | None:
+    """The permutation that makes each group's rows contiguous (None: already in order)."""
+    k = 0 if g_idx is None else len(g_idx)
+    if g_idx is None:
+        return None
+    group = k // num_groups
+    g_idx = np.asarray(g_idx, np.int64)
+    if np.array_equal(g_idx, np.arange(k) // group):
+        return None
+    perm = np.argsort(g_idx, kind="stable")
+    if not np.array_equal(g_idx[perm], np.arange(k) // group):
+        raise ValueError(f"g_idx does not assign {group} rows to each of {num_groups} groups.")
+    return perm.astype(np.int32)
+
+
+def int4_weight(q, zeros, scales, g_idx, dtype) -> Int4Weight:
+    """Host q [K, N] 0..15, zeros and scales [K/g, N] -> Int4Weight on device (K padded to
+    quant_matmul's chunk with zero-scale rows)."""
+    k, num_groups = q.shape[0], scales.shape[0]
+    perm = act_order(g_idx, num_groups)
+    if perm is not None:
+        q = q[perm]
+    pad = -k % INT4_CHUNK_ROWS
+    group = k // num_groups
+    q = np.pad(q, ((0, pad), (0, 0)))
+    scales = np.pad(np.asarray(scales, np.float32), ((0, pad // group), (0, 0)))
+    zeros = np.pad(zeros, ((0, pad // group), (0, 0)))
+    if pad % group:
+        raise ValueError(f"K={k} pads to a multiple of {INT4_CHUNK_ROWS} that group {group} does "
+                         f"not divide.")
+    return Int4Weight(jax.device_put(pack_int4(q)), jnp.asarray(scales, dtype),
+                      jax.device_put(zeros), None if perm is None else jax.device_put(perm), k)
+
+
+class QuantizedLinears:
+    """Collects the tensors of each quantised linear while the loader reads the files, and
+    builds the weights once all are read (their tensors may lie in different files)."""
+
+    def __init__(self, method: str | None, hf_config: dict, dtype) -> None:
+        self.method, self.dtype = method, dtype
+        self.qconfig = hf_config.get("quantization_config") or {}
+        self.tensors: dict[str, dict[str, np.ndarray]] = {}
+
+    def take(self, name: str, host: np.ndarray) -> bool:
+        if self.method not in ("fp8", "compressed-tensors", "gptq", "awq"):
+            return False
+        base, _, suffix = name.rpartition(".")
+        if suffix not in _SUFFIXES or (suffix == "weight" and host.dtype != jnp.float8_e4m3fn):
+            return False
+        self.tensors.setdefault(base, {})[suffix] = host
+        return True
+
+    def weights(self):
+        """Yields (checkpoint name of the linear's weight, quantised weight) for each linear."""
+        if any("input_scale" in t for t in self.tensors.values()):
+            logger.info("The checkpoint's static input scales are not used: activations are "
+                        "quantised per token.")
+        for base, tensors in self.tensors.items():
+            if "weight" not in tensors and "qweight" not in tensors:
+                raise ValueError(f"Quantised linear {base} has {sorted(tensors)} but no weight.")
+            yield f"{base}.weight", build_weight(self.method, tensors, self.qconfig, self.dtype)

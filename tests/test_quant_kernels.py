@@ -1,0 +1,150 @@
+"""Quantised kernels in interpret mode against their references, and their CUDA lowering on this
+CPU machine: the int4 dequantise-in-the-loop GEMM, and the FP8 KV cache through the KV write
+and the Triton attention kernel."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import lower_for_h200
+from test_kv_write import random_step
+from test_ragged_paged_attention import make_batch, poison, rel_err
+
+from jaxllm.models.quant import linear, quantize_fp8
+from pallas_kernels import quant_matmul as qm
+from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
+from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
+                                                   ragged_paged_attention_reference)
+
+FP8 = jnp.float8_e4m3fn
+
+
+def random_int4(seed, k, n, group):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (k, n))
+    scales = rng.uniform(0.005, 0.05, (k // group, n)).astype(np.float32)
+    zeros = rng.integers(0, 16, (k // group, n)).astype(np.uint8)
+    return q, scales, zeros
+
+
+def test_pack_int4_round_trips_and_matches_its_definition():
+    q, _, _ = random_int4(0, 256, 24, 32)
+    packed = qm.pack_int4(q)
+    np.testing.assert_array_equal(np.asarray(qm.unpack_int4(jnp.asarray(packed))), q)
+    words = packed.view(np.uint32)  # word c*16 + r, nibble j = row c*128 + j*16 + r
+    for c, r, j, n in [(0, 0, 0, 0), (1, 5, 7, 3), (0, 15, 3, 23), (1, 9, 2, 11)]:
+        assert (words[c * 16 + r, n] >> (4 * j)) & 0xF == q[c * 128 + j * 16 + r, n]
+
+
+@pytest.mark.parametrize("m,k,n,group,dtype", [
+    (1, 256, 96, 32, jnp.float32), (5, 128, 64, 128, jnp.bfloat16),
+    (37, 384, 80, 64, jnp.float16)])
+def test_int4_matmul_kernel_matches_reference(m, k, n, group, dtype):
+    q, scales, zeros = random_int4(m, k, n, group)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((m, k)), dtype)
+    args = (x, jnp.asarray(qm.pack_int4(q)), jnp.asarray(scales, dtype), jnp.asarray(zeros))
+    got = qm.int4_matmul(*args, block_n=32, interpret=True)
+    want = qm.int4_matmul_reference(*args)
+    dense = (q - np.repeat(zeros, group, 0)) * np.repeat(np.asarray(args[2], np.float32), group, 0)
+    exact = np.asarray(x, np.float64) @ dense
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(got, want) < tol and rel_err(want, exact) < tol
+
+
+def test_int4_matmul_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    for m in (1, 256):
+        args = (sds((m, 4096), jnp.bfloat16), sds((512, 6144), jnp.int32),
+                sds((32, 6144), jnp.bfloat16), sds((32, 6144), jnp.uint8))
+        assert "int4_matmul" in lower_for_h200(qm.int4_matmul, *args)
+
+
+def test_fp8_linear_lowers_to_an_fp8_dot():
+    """The GEMM XLA's GPU compiler maps to cuBLASLt's FP8 kernels: float8_e4m3fn operands, the
+    weight K-minor (Hopper's FP8 GEMMs take only that operand layout), fp32 accumulation."""
+    w = quantize_fp8(jnp.zeros((512, 768), jnp.bfloat16))
+    text = lower_for_h200(lambda x, w: linear(x, w), jax.ShapeDtypeStruct((4, 512), jnp.bfloat16),
+                          jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w))
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert any("f8E4M3FN" in d and "contracting_dims = [1] x [1]" in d and "-> tensor<4x768xf32>"
+               in d for d in dots), dots
+
+
+# -- FP8 KV cache ---------------------------------------------------------------------------
+def to_fp8(cache, scale):
+    return (cache.astype(jnp.float32) / scale).astype(FP8)
+
+
+def test_kv_write_fp8_pallas_matches_reference_and_scales():
+    for num_tokens, num_live in [(40, 37), (5, 5)]:
+        k_cache, v_cache, k, v, slots = random_step(num_tokens, num_tokens, num_live)
+        k_cache, v_cache = k_cache.astype(FP8), v_cache.astype(FP8)
+        k = k.at[0].set(1000.0)  # saturates to 448 * scale, never NaN
+        got = write_kv_pallas(k_cache, v_cache, k, v, slots, k_scale=0.5, v_scale=2.0,
+                              interpret=True)
+        want = write_kv_reference(k_cache, v_cache, k, v, slots, k_scale=0.5, v_scale=2.0)
+        for g, w in zip(got, want):
+            assert g.dtype == FP8
+            flat_g = np.asarray(g, np.float32).reshape(-1, *g.shape[2:])
+            np.testing.assert_array_equal(flat_g[16:], np.asarray(w, np.float32).reshape(
+                -1, *w.shape[2:])[16:])
+        written = np.asarray(want[0], np.float32).reshape(-1, 3, 64)[np.asarray(slots)[:num_live]]
+        expect = np.clip(np.asarray(k, np.float32)[:num_live] / 0.5, -448, 448)
+        np.testing.assert_allclose(written, expect, rtol=2 ** -4, atol=2 ** -9)  # e4m3: 3 bits
+
+
+def check_fp8(args, *, k_scale, v_scale, tol, ref_args=None, **kw):
+    """Kernel on fp8 pages (bf16 q) vs the reference on the same pages (fp32 q)."""
+    kernel = functools.partial(_triton_attention, fill_value=float("nan"), k_scale=k_scale,
+                               v_scale=v_scale, interpret=True, **kw)
+    out = jax.jit(kernel)(*args)
+    ref_in = list(ref_args or args)
+    ref_in[0] = ref_in[0].astype(jnp.float32)
+    ref = ragged_paged_attention_reference(*ref_in, sm_scale=kw["sm_scale"], k_scale=k_scale,
+                                           v_scale=v_scale)
+    live = int(args[5][int(args[6][0])])
+    assert np.isfinite(np.asarray(out[:live], np.float32)).all()
+    assert rel_err(out[:live], ref[:live]) < tol
+    return ref
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_attention_reads_fp8_pages_poisoned(splits):
+    q_lens, ctx = [7, 1, 0, 13, 1], [40, 90, 0, 3, 200]
+    args = make_batch(30 + splits, q_lens, np.add(ctx, q_lens), num_q_heads=8, num_kv_heads=2,
+                      head_dim=64, page_size=16, max_seqs=6, num_tokens=32)
+    q, k_cache, v_cache, *rest = args
+    fp8_args = (q.astype(jnp.bfloat16), to_fp8(k_cache, 0.25), to_fp8(v_cache, 4.0), *rest)
+    poisoned, clean = poison(fp8_args)
+    ref = check_fp8(poisoned, ref_args=clean, k_scale=0.25, v_scale=4.0, tol=2e-2, sm_scale=0.125,
+                    num_kv_splits=splits)
+    # and the FP8 pages are close to the 16-bit attention they stand for
+    exact = ragged_paged_attention_reference(*args, sm_scale=0.125)
+    live = int(args[5][len(q_lens)])
+    assert rel_err(ref[:live], exact[:live]) < 0.1
+
+
+def test_fp8_cache_routes_prefill_to_triton_and_refuses_mosaic():
+    args = make_batch(40, [9, 4], [20, 4], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                      page_size=16, dtype=jnp.bfloat16, max_seqs=2, num_tokens=16)
+    q, k_cache, v_cache, *rest = args
+    fp8_args = (q, k_cache.astype(FP8), v_cache.astype(FP8), *rest)
+    with pytest.raises(ValueError, match="16-bit q/K/V"):
+        ragged_paged_attention(*fp8_args, sm_scale=0.1, implementation="mosaic")
+
+
+def test_fp8_cache_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    cache = sds((64, 16, 8, 128), FP8)
+    for num_tokens, splits in ((8, 4), (64, 1)):
+        args = (sds((num_tokens, 32, 128), jnp.bfloat16), cache, cache, sds((8,), jnp.int32),
+                sds((8, 16), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
+        fn = functools.partial(ragged_paged_attention, sm_scale=0.1, num_kv_splits=splits,
+                               k_scale=0.5, v_scale=2.0)
+        assert "ragged_paged_attention" in lower_for_h200(fn, *args)
+    kv = sds((100, 8, 128), jnp.bfloat16)
+    write = jax.jit(functools.partial(write_kv_pallas, k_scale=0.5), donate_argnums=(0, 1))
+    assert "write_kv" in lower_for_h200(write, cache, cache, kv, kv, sds((100,), jnp.int32))
