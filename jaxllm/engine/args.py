@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 import jax
 
 from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
-                           ParallelConfig, RunnerConfig, SchedulerConfig)
+                           ParallelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig)
 from jaxllm.loader.loader import read_hf_config, resolve_model_path
 
 
@@ -39,6 +39,8 @@ class EngineArgs:
     served_model_name: str | None = None
     async_scheduling: bool = True
     lean_steps: bool | None = None  # None: on a GPU (RunnerConfig)
+    # vLLM's JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": k, ...}
+    speculative_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
@@ -49,6 +51,7 @@ class EngineArgs:
         default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
                                                                     self.max_num_seqs)
+        speculative = self._speculative_config()
         return EngineConfig(
             model_config=ModelConfig(
                 model=model_path, hf_config=hf_config, max_model_len=max_model_len,
@@ -69,8 +72,22 @@ class EngineArgs:
             runner_config=RunnerConfig(
                 attention_backend=self.attention_backend,
                 compilation_cache_dir=self.compilation_cache_dir,
-                enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-                lean_steps=self.lean_steps))
+                enforce_eager=self.enforce_eager,
+                # The proposer needs a step's accepted tokens before the next step can be
+                # scheduled (see docs/design.md, speculative decoding), as vLLM's first V1
+                # speculation: such engines schedule synchronously.
+                async_scheduling=self.async_scheduling and speculative is None,
+                lean_steps=self.lean_steps),
+            speculative_config=speculative)
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        if self.data_parallel_size > 1 and self.enable_expert_parallel:
+            raise ValueError("Speculative decoding with data parallel attention "
+                             "(--enable-expert-parallel and data_parallel_size > 1) is not "
+                             "supported yet.")
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -221,7 +238,7 @@ ENGINE_FLAGS_NOT_IMPLEMENTED = (
     "--max-long-partial-prefills", "--long-prefill-token-threshold",
     "--no-enable-chunked-prefill", "--disable-chunked-mm-input", "--scheduler-cls",
     "--disable-hybrid-kv-cache-manager", "--cudagraph-capture-sizes",
-    "--max-cudagraph-capture-size", "--speculative-config", "--kv-transfer-config",
+    "--max-cudagraph-capture-size", "--kv-transfer-config",
     "--kv-events-config", "--ec-transfer-config", "--compilation-config|-cc",
     "--attention-config|-ac", "--additional-config", "--structured-outputs-config",
     "--profiler-config", "--optimization-level", "--weight-transfer-config",
