@@ -117,7 +117,7 @@ class RunnerConfig:
 
 # -- speculative decoding (vLLM's --speculative-config) ---------------------------------------
 IMPLEMENTED_METHODS = ("ngram",)
-# vLLM's methods that jaxllm refuses by name until they land (docs/spec_decode.md).
+# vLLM's methods that jaxllm refuses by name until they land (docs/design.md).
 NOT_IMPLEMENTED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
                            "suffix")
 # Speculation stops for a step whose running batch has at least this many requests. A
