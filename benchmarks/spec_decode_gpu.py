@@ -62,7 +62,7 @@ def make_llm(args, speculative: dict | None, **kwargs) -> LLM:
     engine = dict(model=args.model, load_format=args.load_format, max_model_len=4096,
                   max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
                   gpu_memory_utilization=0.85, speculative_config=speculative,
-                  async_scheduling=speculative is None)
+                  async_scheduling=speculative is None, enforce_eager=args.cpu)
     return LLM(**{**engine, **kwargs})
 
 

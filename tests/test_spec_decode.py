@@ -379,3 +379,37 @@ def test_no_compilation_after_warmup(tiny_llama_dir):
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] > 0
     assert_all_blocks_free(llm)
+
+
+# -- metrics and bench ---------------------------------------------------------------------------
+SPEC_STATS = {"spec_decode_num_drafts_total": 4, "spec_decode_num_draft_tokens_total": 12,
+              "spec_decode_num_accepted_tokens_total": 6,
+              "spec_decode_num_accepted_tokens_per_pos": [3, 2, 1]}
+
+
+def test_bench_prints_acceptance(capsys):
+    from jaxllm.bench.spec_decode import report
+    result = {}
+    report(result, SPEC_STATS)
+    assert result["spec_decode"]["acceptance_rate"] == 0.5
+    assert result["spec_decode"]["mean_acceptance_length"] == 2.5  # 1 + 6 / 4
+    assert result["spec_decode"]["acceptance_rate_per_position"] == [0.75, 0.5, 0.25]
+    assert ("acceptance rate 50.0%, mean acceptance length 2.50"
+            in capsys.readouterr().out)
+    report(result := {}, {"num_running": 0})
+    assert result == {}
+
+
+def test_metrics_export_vllm_spec_decode_counters():
+    from jaxllm.server.metrics import ServerMetrics
+    stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "num_free_blocks": 1,
+             "num_preemptions_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
+             "num_aborted_total": 0}
+    text = ServerMetrics("m", prefix="vllm").render({**stats, **SPEC_STATS}).body.decode()
+    labels = 'engine="0",model_name="m"'
+    for line in (f"vllm:spec_decode_num_drafts_total{{{labels}}} 4.0",
+                 f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 12.0",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 6.0",
+                 f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="2"}} 1.0'):
+        assert line in text
+    assert "spec_decode" not in ServerMetrics("m").render(stats).body.decode()

@@ -1,2 +1,2 @@
-"""Speculative decoding: its config, the proposers and the scheduler-side statistics (host side;
-verification runs in the step, jaxllm/sample/rejection.py)."""
+"""Speculative decoding's draft proposers (host side). The config is SpeculativeConfig in
+jaxllm/config.py; verification runs in the step (jaxllm/sample/rejection.py)."""
