@@ -410,6 +410,7 @@ def test_metrics_export_vllm_spec_decode_counters():
     for line in (f"vllm:spec_decode_num_drafts_total{{{labels}}} 4.0",
                  f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 12.0",
                  f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 6.0",
-                 f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="2"}} 1.0'):
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                 f'{{{labels},position="2"}} 1.0'):
         assert line in text
     assert "spec_decode" not in ServerMetrics("m").render(stats).body.decode()
