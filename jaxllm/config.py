@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -188,6 +189,84 @@ class PoolerConfig:
             raise ValueError(f"dimensions must be at least 1, got {self.dimensions}.")
 
 
+# -- speculative decoding (vLLM's --speculative-config) ---------------------------------------
+IMPLEMENTED_METHODS = ("ngram",)
+# vLLM's methods that jaxllm refuses by name until they land (docs/design.md).
+NOT_IMPLEMENTED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
+                           "suffix")
+# Speculation stops for a step whose running batch has at least this many requests. A
+# placeholder until the H200 measurement of benchmarks/spec_decode_gpu.py decides it (the batch
+# size where a k-token verification step costs more than the tokens it saves).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # the draft model (draft_model, eagle, eagle3)
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to match
+    prompt_lookup_max: int | None = None  # ngram: longest
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_IMPLEMENTED_METHODS:
+            raise ValueError(f"Speculative decoding method {self.method!r} is not supported by "
+                             f"jaxllm yet; supported: {', '.join(IMPLEMENTED_METHODS)}.")
+        if self.method not in IMPLEMENTED_METHODS:
+            raise ValueError(f"Unknown speculative decoding method {self.method!r}; supported: "
+                             f"{', '.join(IMPLEMENTED_METHODS)}.")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1, got "
+                             f"{self.num_speculative_tokens}.")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be at least 1, got "
+                             f"{self.disable_by_batch_size}.")
+        if self.method == "ngram":
+            self._check_prompt_lookup()
+
+    def _check_prompt_lookup(self) -> None:
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be > 0")
+        if self.prompt_lookup_max < 1:
+            raise ValueError(f"prompt_lookup_max={self.prompt_lookup_max} must be > 0")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def from_dict(cls, values: dict | str) -> "SpeculativeConfig":
+        """From --speculative-config's JSON (or LLM(speculative_config={...})). As vLLM: the
+        method defaults to ngram when model is "ngram", and the n-gram bounds default to each
+        other, or both to 5."""
+        if isinstance(values, str):
+            try:
+                values = json.loads(values)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError("speculative_config must be a JSON object, got "
+                             f"{type(values).__name__}.")
+        values = dict(values)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config does not support {', '.join(unknown)}; "
+                             f"supported keys: {', '.join(sorted(known))}.")
+        if values.get("method") is None and values.get("model") == "ngram":
+            values["method"], values["model"] = "ngram", None
+        for key in ("method", "num_speculative_tokens"):
+            if values.get(key) is None:
+                raise ValueError(f"speculative_config needs {key!r}.")
+        if values["method"] == "ngram":
+            low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            values["prompt_lookup_min"] = low if low is not None else (high or 5)
+            values["prompt_lookup_max"] = high if high is not None else (low or 5)
+        if values.get("disable_by_batch_size") is None:
+            values.pop("disable_by_batch_size", None)
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every concern's config, built and validated once before loading and passed down (vLLM's
@@ -200,3 +279,4 @@ class EngineConfig:
     load_config: LoadConfig
     runner_config: RunnerConfig
     pooler_config: PoolerConfig | None = None  # set exactly when model_config.runner is pooling
+    speculative_config: SpeculativeConfig | None = None

@@ -66,6 +66,15 @@ _ENGINE_COUNTERS = (
      "Prefix cache hits, in terms of number of cached tokens."),
 )
 
+# Speculative decoding (vLLM's SpecDecodingProm), present only when the engine speculates.
+_SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "spec_decode_num_drafts_total", "Number of spec decoding drafts."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens_total",
+     "Number of draft tokens."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_total",
+     "Number of accepted tokens."),
+)
+
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to max_value, as vLLM's token-count histograms."""
@@ -169,6 +178,18 @@ class _EngineStats:
             yield self._family(GaugeMetricFamily(name, help_text, labels=LABELS), key)
         for name, key, help_text in _ENGINE_COUNTERS:
             yield self._family(CounterMetricFamily(name, help_text, labels=LABELS), key)
+        if "spec_decode_num_drafts_total" in self.stats:
+            yield from self._spec_decode()
+
+    def _spec_decode(self):
+        for name, key, help_text in _SPEC_DECODE_COUNTERS:
+            yield self._family(CounterMetricFamily(name, help_text, labels=LABELS), key)
+        per_pos = CounterMetricFamily("spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=(*LABELS, "position"))
+        for position, count in enumerate(self.stats["spec_decode_num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([*self.labels, str(position)], float(count))
+        yield per_pos
 
     def _family(self, family: Metric, key: str) -> Metric:
         if key in self.stats:  # none before the first scrape

@@ -107,7 +107,7 @@ def test_served_model_name_keeps_the_positional_model():
     ("--enable-lora", "--enable-lora"), ("--calculate-kv-scales", "--calculate-kv-scales"),
     ("--tool-call-parser hermes", "--tool-call-parser"),
     ("--enable-auto-tool-choice", "--enable-auto-tool-choice"),
-    ("--speculative-config {}", "--speculative-config"),
+    ("--kv-transfer-config {}", "--kv-transfer-config"),
     ("--no-enable-chunked-prefill", "--no-enable-chunked-prefill"),
     ("--allowed-origins x", "--allowed-origins"),
 ])

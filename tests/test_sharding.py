@@ -30,7 +30,10 @@ TINY_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], v
 # (name, engine kwargs) per model; the first of each is the single-device reference
 LLAMA_RUNS = [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
               ("tp4", dict(tensor_parallel_size=4)), ("dp2", dict(data_parallel_size=2)),
-              ("tp2xdp2", dict(tensor_parallel_size=2, data_parallel_size=2))]
+              ("tp2xdp2", dict(tensor_parallel_size=2, data_parallel_size=2)),
+              ("tp2_ngram", dict(tensor_parallel_size=2, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 2}))]
 MOE_RUNS = [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
             ("ep4", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
             ("ep8", dict(tensor_parallel_size=8, enable_expert_parallel=True))]

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxllm.bench import roofline
+from jaxllm.bench import roofline, spec_decode
 from jaxllm.bench.datasets import random_requests
 from jaxllm.bench.throughput import add_engine_args, engine_prompt, make_llm, measure_ceilings_for
 from jaxllm.sampling_params import SamplingParams
@@ -110,6 +110,7 @@ def main(args: argparse.Namespace) -> dict:
                          args.num_iters_warmup, args.num_iters, args.seed,
                          use_tqdm=not args.disable_tqdm)
     print(format_result(result), flush=True)
+    spec_decode.report(result, llm.llm_engine.get_stats())
     if args.measure_decode:
         decode = measure_decode_step(llm.llm_engine, args.batch_size, args.input_len,
                                      max(args.output_len, 8), args.seed)

@@ -9,7 +9,7 @@ import argparse
 import json
 import time
 
-from jaxllm.bench import roofline
+from jaxllm.bench import roofline, spec_decode
 from jaxllm.bench.datasets import (ConversationHistory, SampleRequest, add_dataset_args,
                                    conversations, sample_requests)
 from jaxllm.sampling_params import SamplingParams
@@ -113,6 +113,7 @@ def main(args: argparse.Namespace) -> dict:
     requests = sample_requests(args, llm.get_tokenizer(), llm.llm_engine.vocab_size)
     result = run_throughput(llm, requests, use_tqdm=not args.disable_tqdm)
     print(format_result(result), flush=True)
+    spec_decode.report(result, llm.llm_engine.get_stats())
     if not args.no_roofline:
         ceilings = measure_ceilings_for(args)
         print(add_floor(result, args, requests, ceilings, args.max_num_seqs), flush=True)

@@ -43,6 +43,9 @@ class Request:
         # Tokens granted to be sampled by launched steps whose results are not in yet (async
         # scheduling, as vLLM's num_output_placeholders); they follow all_token_ids.
         self.num_output_placeholders = 0
+        # Draft tokens proposed to follow all_token_ids (speculative decoding), verified when
+        # the scheduler grants them.
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

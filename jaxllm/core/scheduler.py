@@ -26,6 +26,13 @@ replaces on device with the token step N sampled. The next schedule() must come 
 update (the engine's order), so every grant holds at most one placeholder, and a preempted
 request is recomputed from real tokens only. A request that will end by length once its
 placeholder resolves gets no further grant; one that ends on a stop token wastes one.
+
+Speculative decoding (vLLM's spec_token_ids): a running request whose grant samples from known
+tokens also gets its draft tokens (update_draft_token_ids), within the token budget, max_model_len
+and max_tokens, and blocks for them. update_from_output rolls num_computed_tokens back over the
+rejected drafts, so the next step rewrites their KV slots in place (no copy; the blocks stay the
+request's). No drafts are granted in a step whose running batch reaches disable_by_batch_size.
+The engine never combines drafts with async scheduling (EngineArgs).
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from jaxllm.config import CacheConfig, SchedulerConfig
+from jaxllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.spec_decode_stats import SpecDecodingStats
 from jaxllm.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1  # a token sampled by a step still in flight (the runner fills it in)
@@ -92,6 +100,7 @@ class _Grant:
     the request object, so a late token never reaches a later request that reuses the id."""
     request: Request
     samples: bool  # the grant reaches the last known token, so the step yields new ones
+    num_drafts: int = 0  # draft tokens to verify after it
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +111,13 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries_total: int = 0  # tokens of admitted requests looked up
     prefix_cache_hits_total: int = 0  # of those, tokens found cached
+    spec_decoding: SpecDecodingStats | None = None  # cumulative, with speculative decoding
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_gpu_blocks: int) -> None:
+                 num_gpu_blocks: int,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -122,6 +133,9 @@ class Scheduler:
         self._step_id = 0
         self._grants: dict[int, list[_Grant]] = {}  # step id -> its grants, until its results
         self.num_preemptions_total = 0
+        self.speculative_config = speculative_config
+        self.spec_stats = (SpecDecodingStats(speculative_config.num_speculative_tokens)
+                           if speculative_config else None)
 
     # ---- requests in and out ----
 
@@ -187,6 +201,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         grants: list[_Grant] = []
         preempted_ids: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
+        use_drafts = self.speculation_on()
         running = self.running
 
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -197,15 +213,19 @@ class Scheduler:
             if num_new_tokens <= 0:  # nothing to compute until its sampled token arrives
                 req_index += 1
                 continue
-            new_block_ids = allocate_slots(request, num_new_tokens)
+            drafts = self._drafts(request, num_new_tokens, token_budget) if use_drafts else []
+            num_tokens = num_new_tokens + len(drafts)
+            new_block_ids = allocate_slots(request, num_tokens)
             if new_block_ids is None:
-                new_block_ids = self._preempt_until_fits(request, num_new_tokens, preempted_ids)
+                new_block_ids = self._preempt_until_fits(request, num_tokens, preempted_ids)
                 if new_block_ids is None:
                     break
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
                                                  request.num_computed_tokens))
-            grants.append(self._grant(request, num_new_tokens, num_scheduled))
-            token_budget -= num_new_tokens
+            grants.append(self._grant(request, num_new_tokens, num_scheduled, drafts))
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+            token_budget -= num_new_tokens + len(drafts)
             req_index += 1
 
         # As vLLM: no admissions in a step that had to preempt (the pool is full).
@@ -233,8 +253,8 @@ class Scheduler:
         if grants:
             self._grants[self._step_id] = grants
         return SchedulerOutput(self._step_id, new_reqs, cached_reqs, num_scheduled,
-                               self.max_num_batched_tokens - token_budget, {}, finished_ids,
-                               preempted_ids)
+                               self.max_num_batched_tokens - token_budget, spec_tokens,
+                               finished_ids, preempted_ids)
 
     def _admit(self, request: Request, token_budget: int) -> int | None:
         """Gives a waiting request its cached prefix blocks and the blocks of its first grant;
@@ -260,6 +280,33 @@ class Scheduler:
         if num_computed is None:
             num_computed = request.num_computed_tokens
         return min(num_tokens - num_computed, token_budget, self.max_model_len - num_computed)
+
+    def speculation_on(self) -> bool:
+        """Whether this step may verify drafts: speculation is configured and the running batch
+        is below disable_by_batch_size (a large batch is compute-bound, where verifying costs
+        more than it saves)."""
+        config = self.speculative_config
+        return config is not None and len(self.running) < config.disable_by_batch_size
+
+    def _drafts(self, request: Request, num_new_tokens: int, token_budget: int) -> list[int]:
+        """The request's drafts that fit after a grant of num_new_tokens: only a grant that
+        samples from known tokens, and only as many as the budget left, max_model_len and
+        max_tokens allow (the step yields up to one token more than its drafts)."""
+        if (not request.spec_token_ids or request.num_output_placeholders
+                or request.num_computed_tokens + num_new_tokens != request.num_tokens):
+            return []
+        room = min(token_budget - num_new_tokens, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[:max(room, 0)]
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Sets the drafts proposed for requests (after their tokens of the last step)."""
+        for request_id, drafts in draft_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = drafts
 
     def _length_capped(self, num_tokens: int, num_output_tokens: int, request: Request) -> bool:
         max_tokens = request.sampling_params.max_tokens
@@ -288,16 +335,18 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def _grant(self, request: Request, num_new_tokens: int,
-               num_scheduled: dict[str, int]) -> _Grant:
-        """Records the grant and advances num_computed_tokens past it (as vLLM); a grant that
-        samples adds a placeholder for its token."""
-        num_scheduled[request.request_id] = num_new_tokens
+    def _grant(self, request: Request, num_new_tokens: int, num_scheduled: dict[str, int],
+               drafts: list[int] = ()) -> _Grant:
+        """Records the grant and advances num_computed_tokens past it and its drafts (as
+        vLLM); a grant that samples adds a placeholder for its token."""
+        num_scheduled[request.request_id] = num_new_tokens + len(drafts)
         request.num_computed_tokens += num_new_tokens
         samples = (request.num_computed_tokens
                    == len(request.all_token_ids) + request.num_output_placeholders)
+        request.num_computed_tokens += len(drafts)
         request.num_output_placeholders += samples
-        return _Grant(request, samples)
+        request.spec_token_ids = []  # used, or stale once this grant's tokens are in
+        return _Grant(request, samples, len(drafts))
 
     # ---- results ----
 
@@ -314,8 +363,11 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             was_preempted = request.status == RequestStatus.PREEMPTED
+            token_ids = sampled_token_ids[request.request_id]
+            if grant.num_drafts:
+                self._reject_drafts(request, grant.num_drafts, len(token_ids) - 1)
             stopped = False
-            for token_id in sampled_token_ids[request.request_id]:
+            for token_id in token_ids:
                 request.append_output_token_id(token_id)
                 stopped = self._check_stop(request)
                 if stopped:
@@ -329,6 +381,13 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return updated
+
+    def _reject_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Counts the verification and rolls num_computed_tokens back over the rejected drafts:
+        their KV slots are rewritten by the next step."""
+        self.spec_stats.observe(num_drafts, num_accepted)
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_drafts - num_accepted
 
     def _check_stop(self, request: Request) -> bool:
         """Sets a finished status when the request's last token ends it (vLLM's check_stop)."""
@@ -371,4 +430,5 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage,
-                              self.num_preemptions_total, kv.stats.queries, kv.stats.hits)
+                              self.num_preemptions_total, kv.stats.queries, kv.stats.hits,
+                              self.spec_stats)

@@ -88,29 +88,31 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Appends new output tokens; returns the stop string that ended the sequence, if any.
         stop_terminated: the last token is an EOS / stop token id, whose text is left out unless
-        include_stop_str_in_output (as vLLM)."""
+        include_stop_str_in_output (as vLLM). Stop strings are checked after each token, as if
+        the tokens came one per step: with several (speculative decoding) the first token that
+        completes one ends the sequence, and the tokens after it are dropped (self.token_ids
+        keeps the outputs up to it)."""
         if not new_token_ids:
             return None
         skipped = None
         if stop_terminated and not self.include_stop_str_in_output:
             skipped, new_token_ids = new_token_ids[-1], new_token_ids[:-1]
-        stop_check_offset = len(self.output_text)
-        for token_id in new_token_ids:
+        for index, token_id in enumerate(new_token_ids):
+            stop_check_offset = len(self.output_text)
             self.token_ids.append(token_id)
             self.output_text += self._step(token_id) or ""
-            if len(self.token_ids) <= self.min_tokens:
-                stop_check_offset = len(self.output_text)  # no stop strings before min_tokens
+            ends_by_id = stop_terminated and index == len(new_token_ids) - 1
+            if not self.stop or len(self.token_ids) <= self.min_tokens or ends_by_id:
+                continue
+            found = find_stop_string(self.output_text, len(self.output_text) - stop_check_offset,
+                                     self.stop, self.include_stop_str_in_output)
+            if found is not None:
+                stop_str, cut_to = found
+                self.output_text = self.output_text[:cut_to]
+                return stop_str
         if skipped is not None:
             self.token_ids.append(skipped)
-        if stop_terminated or not self.stop or len(self.token_ids) <= self.min_tokens:
-            return None
-        found = find_stop_string(self.output_text, len(self.output_text) - stop_check_offset,
-                                 self.stop, self.include_stop_str_in_output)
-        if found is None:
-            return None
-        stop_str, cut_to = found
-        self.output_text = self.output_text[:cut_to]
-        return stop_str
+        return None
 
     def _step(self, token_id: int) -> str | None:
         try:

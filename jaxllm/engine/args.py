@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 import jax
 
 from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
-                           ParallelConfig, PoolerConfig, RunnerConfig, SchedulerConfig)
+                           ParallelConfig, PoolerConfig, RunnerConfig, SchedulerConfig,
+                           SpeculativeConfig)
 from jaxllm.core.kv_cache_utils import HASH_ALGOS, get_hash_fn
 from jaxllm.engine.pooling_config import (pooling_max_model_len, resolve_pooler_config,
                                           resolve_runner)
@@ -53,6 +54,8 @@ class EngineArgs:
     pooler_config: PoolerConfig | dict | str | None = None  # a dict or its JSON on the CLI
     quantization: str | None = None  # fp8 | gptq | awq | compressed-tensors (vLLM's -q)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3
+    # vLLM's JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": k, ...}
+    speculative_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
@@ -75,6 +78,7 @@ class EngineArgs:
         default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
                                                                     self.max_num_seqs)
+        speculative = self._speculative_config()
         config = EngineConfig(
             model_config=ModelConfig(
                 model=model_path, hf_config=hf_config, max_model_len=max_model_len,
@@ -99,11 +103,24 @@ class EngineArgs:
             runner_config=RunnerConfig(
                 attention_backend=self.attention_backend,
                 compilation_cache_dir=self.compilation_cache_dir,
-                enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
+                enforce_eager=self.enforce_eager,
+                # The proposer needs a step's accepted tokens before the next step can be
+                # scheduled (see docs/design.md, speculative decoding), as vLLM's first V1
+                # speculation: such engines schedule synchronously.
+                async_scheduling=self.async_scheduling and speculative is None,
                 lean_steps=self.lean_steps),
-            pooler_config=pooler_config)
+            pooler_config=pooler_config, speculative_config=speculative)
         _check_quantization(config)
         return config
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        if self.data_parallel_size > 1 and self.enable_expert_parallel:
+            raise ValueError("Speculative decoding with data parallel attention "
+                             "(--enable-expert-parallel and data_parallel_size > 1) is not "
+                             "supported yet.")
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -279,7 +296,7 @@ ENGINE_FLAGS_NOT_IMPLEMENTED = (
     "--max-long-partial-prefills", "--long-prefill-token-threshold",
     "--no-enable-chunked-prefill", "--disable-chunked-mm-input", "--scheduler-cls",
     "--disable-hybrid-kv-cache-manager", "--cudagraph-capture-sizes",
-    "--max-cudagraph-capture-size", "--speculative-config", "--kv-transfer-config",
+    "--max-cudagraph-capture-size", "--kv-transfer-config",
     "--kv-events-config", "--ec-transfer-config", "--compilation-config|-cc",
     "--attention-config|-ac", "--additional-config", "--structured-outputs-config",
     "--profiler-config", "--optimization-level", "--weight-transfer-config",

@@ -64,7 +64,8 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
         f" ({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
         + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else ""))
     runner = _make_runner(config, sharded, dp_size, num_blocks)
-    schedulers = [Scheduler(config.scheduler_config, cache, num_blocks) for _ in range(dp_size)]
+    schedulers = [Scheduler(config.scheduler_config, cache, num_blocks, config.speculative_config)
+                  for _ in range(dp_size)]
     loaded = sharded.loaded
     core = EngineCore(config, runner, schedulers, loaded.tokenizer, set(loaded.eos_token_ids),
                       loaded.args.vocab_size, num_blocks)
@@ -103,7 +104,16 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                        max_model_len=config.model_config.max_model_len,
                        max_num_seqs=sched.max_num_seqs,
                        max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
-                       lean_steps=config.runner_config.lean_steps)
+                       lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config))
+
+
+def _spec_runner_args(config: EngineConfig) -> dict:
+    """At most disable_by_batch_size - 1 sequences carry drafts in a step (Scheduler)."""
+    spec = config.speculative_config
+    if spec is None:
+        return {}
+    return {"num_spec_tokens": spec.num_speculative_tokens,
+            "max_spec_seqs": spec.disable_by_batch_size - 1}
 
 
 def _measure_num_blocks(config: EngineConfig, sharded: ShardedModel, dp_size: int,

@@ -79,7 +79,14 @@ class DPEngine:
     def get_stats(self) -> dict:
         """Counts summed over the replicas; kv_cache_usage is their mean."""
         per_replica = [r.get_stats() for r in self.replicas]
-        stats = {k: sum(s[k] for s in per_replica) for k in per_replica[0]}
+        stats = {k: _sum([s[k] for s in per_replica]) for k in per_replica[0]}
         stats["kv_cache_usage"] = stats["kv_cache_usage"] / len(per_replica)
         stats["dp_num_unfinished"] = [self._load(i) for i in range(len(self.replicas))]
         return stats
+
+
+def _sum(values: list):
+    """A stat summed over replicas; list-valued ones (per draft position) element-wise."""
+    if isinstance(values[0], list):
+        return [sum(column) for column in zip(*values)]
+    return sum(values)

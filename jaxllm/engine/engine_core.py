@@ -23,6 +23,7 @@ from jaxllm.engine.output_processor import OutputProcessor, child_request_id
 from jaxllm.outputs import RequestOutput
 from jaxllm.sample.metadata import check_min_tokens_stop_ids
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("jaxllm")
@@ -51,6 +52,7 @@ class EngineCore:
         self._share_groups = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.proposer = _make_proposer(config)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -147,7 +149,17 @@ class EngineCore:
         if stopped:
             self.scheduler.finish_requests([r.request_id for r in stopped],
                                            RequestStatus.FINISHED_STOPPED)
+        if self.proposer is not None:
+            self._propose_drafts(updated)
         return outputs
+
+    def _propose_drafts(self, updated) -> None:
+        """Drafts for the requests that got tokens, to verify in the next step (none while the
+        batch is too large for speculation to pay)."""
+        if self.scheduler.speculation_on():
+            self.scheduler.update_draft_token_ids(
+                {r.request_id: self.proposer.propose(r.all_token_ids)
+                 for r in updated if not r.is_finished()})
 
     def get_stats(self) -> dict:
         stats = self.scheduler.make_stats()
@@ -160,4 +172,23 @@ class EngineCore:
                                        for s in self.scheduler_ranks),
                 "num_blocks": self.num_blocks * self.dp_size,
                 "prompt_tokens_total": self.prompt_tokens_total,
-                "generation_tokens_total": self.generation_tokens_total}
+                "generation_tokens_total": self.generation_tokens_total,
+                **_spec_decode_stats(stats.spec_decoding)}
+
+
+def _make_proposer(config: EngineConfig) -> NgramProposer | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                         spec.prompt_lookup_max, config.model_config.max_model_len)
+
+
+def _spec_decode_stats(stats) -> dict:
+    """vLLM's spec_decode_* counters (absent without speculative decoding)."""
+    if stats is None:
+        return {}
+    return {"spec_decode_num_drafts_total": stats.num_drafts,
+            "spec_decode_num_draft_tokens_total": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": stats.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos)}

@@ -83,9 +83,15 @@ class OutputProcessor:
             stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
             stop_str = (child.detokenizer.update(new_tokens, stop_terminated)
                         if child.detokenizer else None)
-            if stop_str is not None and not request.is_finished():
+            output_token_ids = request.output_token_ids
+            if stop_str is not None:
+                # Tokens accepted in the same step after the stop string are dropped.
+                output_token_ids = output_token_ids[:len(child.detokenizer.token_ids)]
+                num_dropped = len(request.output_token_ids) - len(output_token_ids)
+                new_tokens = new_tokens[:len(new_tokens) - num_dropped]
                 request.stop_reason = stop_str
-                stopped_by_string.append(request)
+                if not request.is_finished():
+                    stopped_by_string.append(request)
             for token, entry in zip(new_tokens, logprobs.get(request.request_id, ())):
                 self._append_logprobs(child, token, entry)
             finish_reason = "stop" if stop_str is not None else request.get_finished_reason()
@@ -93,7 +99,7 @@ class OutputProcessor:
                     if child.detokenizer else "")
             child.completion = CompletionOutput(
                 index=child.index, text=text,
-                token_ids=list(request.output_token_ids),
+                token_ids=list(output_token_ids),
                 cumulative_logprob=child.cumulative_logprob,
                 logprobs=child.logprobs, finish_reason=finish_reason,
                 stop_reason=request.stop_reason)

@@ -43,12 +43,15 @@ def record_tokens(state: PenaltyState, token_ids: jax.Array, token_rows: jax.Arr
 
 
 def apply_penalties(logits: jax.Array, state: PenaltyState, seq_rows: jax.Array,
-                    presence: jax.Array, frequency: jax.Array,
-                    repetition: jax.Array) -> jax.Array:
+                    presence: jax.Array, frequency: jax.Array, repetition: jax.Array,
+                    extra_counts=None) -> jax.Array:
     """vLLM's apply_penalties on logits [S, V]: repetition (HF style: divide positive logits,
     multiply negative ones) on prompt or output tokens, then OpenAI frequency and presence
-    penalties on output tokens. The penalty vectors are [S]."""
+    penalties on output tokens. The penalty vectors are [S]. extra_counts, when given, adds
+    outputs the state has not recorded to the gathered counts [S, V] (draft tokens)."""
     counts = state.output_counts[seq_rows]  # [S, V]
+    if extra_counts is not None:
+        counts = extra_counts(counts)
     output_mask = counts > 0
     seen = state.prompt_mask[seq_rows] | output_mask
     penalty = jnp.where(seen, repetition[:, None], 1.0)

@@ -24,6 +24,7 @@ from jaxllm.sample.logprobs import LogprobsTensors, empty_logprobs, gather_logpr
 from jaxllm.sample.metadata import SamplingMetadata, build_sampling_metadata
 from jaxllm.sample.penalties import (PenaltyState, apply_penalties, init_penalty_state,
                                      record_tokens)
+from jaxllm.sample.rejection import count_prior_drafts
 
 # The runner's whole interface, importable from this one module.
 __all__ = ["SamplerOutput", "SamplerStages", "SamplingMetadata", "PenaltyState", "build_sampling_metadata",
@@ -47,7 +48,8 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
-           seq_rows: jax.Array, stages: SamplerStages = SamplerStages.COND) -> SamplerOutput:
+           seq_rows: jax.Array, stages: SamplerStages = SamplerStages.COND,
+           prior_draft_ids: jax.Array | None = None) -> SamplerOutput:
     """logits [S, V] f32 (one row per sequence), seq_rows [S] i32: each sequence's penalty row.
 
     stages (static): "cond" runs each optional stage (penalties, the random draw, top-k/top-p,
@@ -56,12 +58,18 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
     both without a cond, since on a GPU each cond makes the host wait for the device (the
     runner picks one of the two per batch). A stage leaves rows that do not use it unchanged,
     so the three draw the same tokens.
+
+    prior_draft_ids [S, K] (speculative decoding, rejection.py): the draft tokens before each
+    row's position, which the penalties count as outputs.
     """
     stages = SamplerStages(stages)
     logits = logits.astype(jnp.float32)
     raw_logits = logits
+    extra_counts = (None if prior_draft_ids is None
+                    else lambda counts: count_prior_drafts(counts, prior_draft_ids))
     penalize = lambda x: apply_penalties(x, state, seq_rows, md.presence_penalty,  # noqa: E731
-                                         md.frequency_penalty, md.repetition_penalty)
+                                         md.frequency_penalty, md.repetition_penalty,
+                                         extra_counts)
     logits = (jax.lax.cond(md.any_penalties, penalize, lambda x: x, logits) if stages == "cond"
               else penalize(logits))
     logits = mask_ids(logits, md.min_tokens_stop_ids)

@@ -36,6 +36,7 @@ from jaxllm.sample import sampler
 from jaxllm.sample.sampler import SamplerStages
 from jaxllm.worker import step as step_fn
 from jaxllm.worker.batch import SeqChunk, build_step_batch
+from jaxllm.worker.draft_rows import DraftRowBuilder
 from jaxllm.worker.packing import pack
 from jaxllm.worker.request_states import RequestStates, ScheduledChunk
 from jaxllm.worker.step import HistoryInputs, StepInputs, StepModel, StepOutput, StepState
@@ -89,6 +90,7 @@ class LaunchedStep:
     want_prompt: list[int]  # indices into chunks of the requests that get prompt logprobs
     sampled: sampler.SamplerOutput  # on device
     prompt_logprobs: object  # LogprobsTensors on device, or None
+    num_accepted: object = None  # [S] accepted drafts on device (speculative decoding)
 
 
 @dataclass
@@ -115,7 +117,8 @@ def _placement(ranks: list[_RankInputs], num_tokens_padded: int, num_seqs_padded
 class ModelRunner:
     def __init__(self, model_fn: Callable, params, kv_caches, *, vocab_size: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 dp_size: int = 1, lean_steps: bool | None = None) -> None:
+                 dp_size: int = 1, lean_steps: bool | None = None, num_spec_tokens: int = 0,
+                 max_spec_seqs: int = 0) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
@@ -125,7 +128,10 @@ class ModelRunner:
         for the batches that use neither and ALL (every sampler stage for every row) for the
         rest, and prompt logprobs run as a program of their own after the step, only when
         asked. Without lean steps one program per bucket runs each optional stage under a
-        cond (COND), which is free on a CPU."""
+        cond (COND), which is free on a CPU.
+
+        num_spec_tokens > 0 (speculative decoding, one DP rank): steps verify up to that many
+        draft tokens for up to max_spec_seqs sequences (worker/draft_rows.py)."""
         self.params = params
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -147,6 +153,8 @@ class ModelRunner:
         self.requests = RequestStates(num_rows, self.max_blocks_per_seq)
         self.lean_steps = jax.default_backend() == "gpu" if lean_steps is None else lean_steps
         self._compiled: dict = {}  # (packed-input layout, stages) -> the step compiled for it
+        self.draft_rows = (DraftRowBuilder(num_spec_tokens, min(max_spec_seqs, max_num_seqs),
+                                           self.garbage_row) if num_spec_tokens else None)
 
     @property
     def kv_caches(self):
@@ -179,10 +187,10 @@ class ModelRunner:
         prompt LogprobsTensors or None) on device."""
         out = self._run_step(inputs, stages)
         if stages == SamplerStages.COND:
-            return out.sampled, out.prompt_logprobs
+            return out.sampled, out.prompt_logprobs, out.num_accepted
         return out.sampled, (step_fn.prompt_logprobs(self.params, out.hidden,
                                                      inputs.next_prompt_ids, model=self.model)
-                             if inputs.any_prompt_logprobs else None)
+                             if inputs.any_prompt_logprobs else None), out.num_accepted
 
     def _stages_for(self, inputs: StepInputs) -> SamplerStages:
         if not self.lean_steps:
@@ -264,7 +272,11 @@ class ModelRunner:
             inputs.batch.logits_indices += np.repeat(
                 np.arange(len(ranks), dtype=np.int32) * num_tokens_padded, num_seqs_padded)
         placement = _placement(ranks, num_tokens_padded, num_seqs_padded)
-        inputs.sampling = self._sampling_metadata(rank_chunks, num_seqs_padded)
+        if self.draft_rows is None:
+            inputs.sampling = self._sampling_metadata(rank_chunks, num_seqs_padded)
+        else:  # one rank: its sequences' rows become their first sampling rows
+            first_rows = self.draft_rows.apply(inputs, rank_chunks[0])
+            placement = (placement[0], first_rows, *placement[2:])
         inputs.any_prompt_logprobs = np.array(bool(placement[3]))
         return inputs, placement
 
@@ -339,19 +351,22 @@ class ModelRunner:
         want_logprobs = any(c.samples and c.state.sampling_params.logprobs is not None
                             for c in chunks)
         # The one device-to-host transfer of the step.
-        token_ids, logprobs, prompt_lp = jax.device_get(
+        token_ids, logprobs, prompt_lp, num_accepted = jax.device_get(
             (launched.sampled.token_ids, launched.sampled.logprobs if want_logprobs else None,
-             launched.prompt_logprobs if want_prompt else None))
+             launched.prompt_logprobs if want_prompt else None, launched.num_accepted))
         sampled, sample_logprobs = {}, {}
-        for c, row in zip(chunks, launched.batch_rows.tolist()):
+        for i, (c, row) in enumerate(zip(chunks, launched.batch_rows.tolist())):
             if not c.samples:
                 continue
             request_id = c.state.request_id
-            sampled[request_id] = [int(token_ids[row])]
+            # rows of a verified run: its accepted drafts, then the bonus or correction
+            num_tokens = 1 if num_accepted is None else int(num_accepted[i]) + 1
+            sampled[request_id] = token_ids[row:row + num_tokens].tolist()
             self.requests.record_sampled(request_id, sampled[request_id])
             num_top = c.state.sampling_params.logprobs
             if want_logprobs and num_top is not None:
-                sample_logprobs[request_id] = [_logprob_entry(logprobs, row, num_top)]
+                sample_logprobs[request_id] = [_logprob_entry(logprobs, r, num_top)
+                                               for r in range(row, row + num_tokens)]
         prompt_logprobs = {}
         for i in want_prompt:
             c = chunks[i]

@@ -23,6 +23,7 @@ from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID
 from jaxllm.models import compute_logits
 from jaxllm.models.batch import StepBatch
 from jaxllm.sample import sampler
+from jaxllm.sample import rejection
 from jaxllm.sample.logprobs import LogprobsTensors, chunked_logprobs, empty_logprobs
 from jaxllm.sample.sampler import SamplerOutput, SamplerStages
 from jaxllm.worker.packing import PackLayout, unpack
@@ -42,6 +43,9 @@ class StepInputs:
     sample_rows: jax.Array  # [S] i32 rows whose sampled token is recorded, else garbage
     next_prompt_ids: jax.Array  # [T] i32 the prompt token after each (prompt logprobs), or 0
     any_prompt_logprobs: jax.Array  # [] bool
+    # With speculative decoding (worker/draft_rows.py): the sampler runs over N rows, one per
+    # position that samples (batch.logits_indices [N]), and `sampling` and `seq_rows` are [N].
+    draft_rows: rejection.DraftRows | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +65,7 @@ class StepOutput:
     # hidden states [T, H], from which prompt_logprobs() computes them when asked.
     prompt_logprobs: LogprobsTensors | None
     hidden: jax.Array | None
+    num_accepted: jax.Array | None = None  # [S] accepted drafts (with draft_rows)
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,15 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
     penalty_state = sampler.record_tokens(state.penalty_state, batch.token_ids,
                                           inputs.token_rows, inputs.token_is_output,
                                           inputs.reset_rows)
-    sampled = sampler.sample(logits, inputs.sampling, penalty_state, inputs.seq_rows, stages)
-    last_sampled = state.last_sampled.at[inputs.sample_rows].set(sampled.token_ids)
+    rows = inputs.draft_rows
+    sampled = sampler.sample(logits, inputs.sampling, penalty_state, inputs.seq_rows, stages,
+                             None if rows is None else rows.prior_draft_ids)
+    last_tokens, num_accepted = sampled.token_ids, None
+    if rows is not None:
+        verified = rejection.verify(sampled.token_ids, rows)
+        penalty_state = rejection.record_accepted(penalty_state, inputs.seq_rows, rows, verified)
+        last_tokens, num_accepted = verified.last_token, verified.num_accepted
+    last_sampled = state.last_sampled.at[inputs.sample_rows].set(last_tokens)
     new_state = StepState(kv_caches, penalty_state, last_sampled)
     if stages == SamplerStages.COND:
         prompt_lp = jax.lax.cond(
@@ -132,8 +144,8 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
             lambda: chunked_logprobs(partial(model.logits, params), hidden,
                                      inputs.next_prompt_ids),
             lambda: empty_logprobs(hidden.shape[0]))
-        return StepOutput(sampled, prompt_lp, None), new_state
-    return StepOutput(sampled, None, hidden), new_state
+        return StepOutput(sampled, prompt_lp, None, num_accepted), new_state
+    return StepOutput(sampled, None, hidden, num_accepted), new_state
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,97 @@
+"""n-gram acceptance on the default model (SmolLM2-135M-Instruct, real weights; CPU is fine):
+acceptance rate and mean acceptance length for k = 3, 4, 5 on (a) rewrite / edit prompts whose
+answer repeats the prompt and (b) plain chat; greedy, and each output checked token for token
+against the same engine without speculation.
+
+    JAX_PLATFORMS=cpu python benchmarks/spec_decode_acceptance.py [--max-tokens 128]
+
+One speculating engine serves every k (its proposer's k is lowered; the runner verifies any
+number of drafts up to the configured 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.bench.spec_decode import spec_decode_metrics
+
+_PASSAGE = ("The committee have met on tuesday to discussed the new budget, which were "
+            "approved after a long debate. Members agreed that the fund for the library "
+            "should be increase by ten percent, and that the park renovation will be delay "
+            "until next spring because the contractor are not available.")
+_CODE = '''def average(x):
+    total = 0
+    for v in x:
+        total = total + v
+    if len(x) == 0:
+        return 0
+    return total / len(x)
+
+
+def maximum(x):
+    best = x[0]
+    for v in x:
+        if v > best:
+            best = v
+    return best
+'''
+WORKLOADS = {
+    "rewrite": [
+        f"Fix the grammar of this paragraph and return the corrected paragraph:\n\n{_PASSAGE}",
+        f"Rename the parameter `x` to `values` everywhere and return the full code:\n\n{_CODE}",
+        f"Repeat the following text exactly, then say DONE:\n\n{_PASSAGE}",
+        f"Add a docstring to each function and return the full code:\n\n{_CODE}",
+    ],
+    "chat": [
+        "What is the capital of France?",
+        "Give me three tips for sleeping better.",
+        "Explain photosynthesis to a ten year old.",
+        "Write a short poem about the sea.",
+    ],
+}
+KS = (3, 4, 5)
+
+
+def stats_delta(after: dict, before: dict) -> dict:
+    return {k: ([a - b for a, b in zip(v, before[k])] if isinstance(v, list) else v - before[k])
+            for k, v in after.items() if k.startswith("spec_decode")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    args = parser.parse_args()
+    engine_args = dict(max_model_len=1024, max_num_batched_tokens=256, enforce_eager=True,
+                       compilation_cache_dir=None)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    plain = LLM(**engine_args)
+    expected = {name: [o.outputs[0].token_ids for o in plain.chat(
+        [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)]
+        for name, prompts in WORKLOADS.items()}
+    del plain
+    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": max(KS),
+                                   "prompt_lookup_min": args.prompt_lookup_min,
+                                   "prompt_lookup_max": args.prompt_lookup_max}, **engine_args)
+    engine, results = spec.llm_engine, {}
+    for k in KS:
+        engine.proposer.k = k
+        for name, prompts in WORKLOADS.items():
+            before = engine.get_stats()
+            outputs = spec.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                                use_tqdm=False)
+            metrics = spec_decode_metrics(stats_delta(engine.get_stats(), before))
+            metrics["same_tokens_as_plain"] = (
+                [o.outputs[0].token_ids for o in outputs] == expected[name])
+            results[f"{name} k={k}"] = metrics
+            print(f"{name:8s} k={k}: acceptance rate {metrics['acceptance_rate']:.1%}, mean "
+                  f"acceptance length {metrics['mean_acceptance_length']:.2f}, same tokens as "
+                  f"without speculation: {metrics['same_tokens_as_plain']}", flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""One GPU call (~5 min on one H200): what speculative decoding costs and saves.
+
+    python benchmarks/spec_decode_gpu.py --out DIR          # H200: llama-3.1-8b, dummy bf16
+    python benchmarks/spec_decode_gpu.py --out DIR --cpu    # the logic, on the default model
+
+1. Verification cost: engine steps in which every sequence verifies k = 1, 2, 4, 8 drafts,
+   against steps that decode one token (k = 0), at batch 1, 8 and 32 and 512 tokens of context,
+   on one engine. The drafts are the last token repeated (rejected by dummy weights), so each
+   step costs a full (k + 1)-token verification. Decides disable_by_batch_size: speculation pays
+   at batch B while step_ms(k) / step_ms(0) stays below the mean acceptance length expected.
+2. Batch-1 time per output token (TPOT), greedy, 256 tokens: plain decode, against k = 4 drafts
+   from a replay proposer that proposes the tokens plain decode produced (every draft is
+   accepted up to numerical differences: the upper bound of the mechanism, what a perfect
+   draft model or a fully repeating text gives), and against n-gram drafts (k = 4, prompt
+   lookup 1..3; with dummy weights the acceptance is whatever the model's loops give, printed
+   beside). The default model's GGUF does not travel to the GPU machine, hence dummy weights.
+3. Throughput at 256 concurrent requests (512 in, 128 out, sampled): speculation off against
+   n-gram k = 4 with the default disable_by_batch_size (speculation switches itself off while
+   the batch is large).
+Writes DIR/spec_decode_gpu.json and prints one line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import time
+
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.bench.spec_decode import spec_decode_metrics
+from jaxllm.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+
+KS = (1, 2, 4, 8)
+
+
+class FixedDrafts:
+    """Proposes the last token k times: a verification of k drafts every step."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        return token_ids[-1:] * self.k
+
+
+class ReplayDrafts:
+    """Proposes what plain greedy decoding produced after the same tokens."""
+
+    def __init__(self, k: int, prompt: list[int], expected: list[int]) -> None:
+        self.k, self.full = k, prompt + expected
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        n = len(token_ids)
+        return self.full[n:n + self.k] if self.full[:n] == token_ids else []
+
+
+def make_llm(args, speculative: dict | None, **kwargs) -> LLM:
+    engine = dict(model=args.model, load_format=args.load_format, max_model_len=4096,
+                  max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_utilization=0.85, speculative_config=speculative,
+                  async_scheduling=speculative is None, enforce_eager=args.cpu)
+    return LLM(**{**engine, **kwargs})
+
+
+def free(llm: LLM) -> None:
+    del llm
+    gc.collect()
+
+
+def step_times(llm: LLM, batch: int, context: int, proposers: dict, steps: int) -> dict:
+    """Median engine-step ms with each proposer, every sequence decoding throughout."""
+    engine = llm.llm_engine
+    rng = np.random.default_rng(batch)
+    # enough for every step to accept all its drafts (dummy weights may repeat a token)
+    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                            max_tokens=len(proposers) * (steps + 2) * (max(KS) + 1) + 8)
+    ids = [f"steps-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(0, 1000, context).tolist(), params)
+    result = {}
+    try:
+        while engine.scheduler.num_waiting or any(
+                r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()
+        for name, proposer in proposers.items():
+            engine.proposer = proposer
+            engine.step()
+            engine.step()  # drafts proposed after a step are verified in the next
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            result[name] = float(np.median(times) * 1e3)
+        if engine.scheduler.num_running != batch:
+            raise RuntimeError(f"only {engine.scheduler.num_running} of {batch} sequences ran")
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return result
+
+
+def tpot(llm: LLM, prompt: list[int], num_tokens: int) -> tuple[float, list[int]]:
+    """ms per output token after the first, batch 1, greedy; and the tokens."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=num_tokens)
+    engine, times, tokens = llm.llm_engine, [], []
+    engine.add_request("tpot", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            times.append(time.perf_counter())
+            tokens = out.outputs[0].token_ids
+    return (times[-1] - times[0]) * 1e3 / max(len(tokens) - 1, 1), list(tokens)
+
+
+def throughput(llm: LLM, num_requests: int, input_len: int, output_len: int) -> float:
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, 1000, input_len).tolist()}
+               for _ in range(num_requests)]
+    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=output_len)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def acceptance(llm: LLM, before: dict) -> dict | None:
+    stats = llm.llm_engine.get_stats()
+    delta = {k: (v - before.get(k, 0) if not isinstance(v, list)
+                 else [a - b for a, b in zip(v, before.get(k, [0] * len(v)))])
+             for k, v in stats.items() if k.startswith("spec_decode")}
+    return spec_decode_metrics(delta)
+
+
+def run(args) -> dict:
+    results: dict = {"model": args.model, "batches": args.batches, "ks": KS}
+    prompt = np.random.default_rng(7).integers(0, 1000, 64).tolist()
+    # Plain engine: batch-1 TPOT (its tokens feed the replay proposer), throughput off.
+    llm = make_llm(args, None)
+    tpot(llm, prompt, 8)  # its first steps may compile (--cpu runs eager)
+    results["tpot_plain_ms"], expected = tpot(llm, prompt, args.tpot_tokens)
+    print(f"batch-1 TPOT, plain: {results['tpot_plain_ms']:.2f} ms", flush=True)
+    results["throughput_off"] = throughput(llm, args.num_requests, 512, 128)
+    print(f"throughput, speculation off: {results['throughput_off']:.0f} output tok/s",
+          flush=True)
+    free(llm)
+    # Speculating engine: up to 8 drafts for up to 32 sequences.
+    spec = {"method": "ngram", "num_speculative_tokens": max(KS), "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "disable_by_batch_size": max(args.batches) + 1}
+    llm = make_llm(args, spec)
+    engine = llm.llm_engine
+    ngram = engine.proposer
+    ngram.k = 4
+    results["verify_ms"] = {}
+    for batch in args.batches:
+        times = step_times(llm, batch, 512, {0: FixedDrafts(0), **{k: FixedDrafts(k) for k in KS}},
+                           args.steps)
+        results["verify_ms"][batch] = times
+        print(f"batch {batch}: step ms " + ", ".join(
+            f"k={k} {ms:.2f} ({ms / times[0]:.2f}x)" for k, ms in times.items()), flush=True)
+    for name, proposer in (("replay", ReplayDrafts(4, prompt, expected)), ("ngram", ngram)):
+        engine.proposer, before = proposer, engine.get_stats()
+        ms, tokens = tpot(llm, prompt, args.tpot_tokens)
+        results[f"tpot_{name}_ms"] = ms
+        results[f"tpot_{name}_acceptance"] = acceptance(llm, before)
+        results[f"tpot_{name}_same_tokens"] = tokens == expected
+        acc = results[f"tpot_{name}_acceptance"] or {}
+        print(f"batch-1 TPOT, {name} drafts: {ms:.2f} ms ({results['tpot_plain_ms'] / ms:.2f}x "
+              f"faster), mean acceptance length {acc.get('mean_acceptance_length', 0):.2f}, "
+              f"same tokens as plain: {tokens == expected}", flush=True)
+    engine.proposer = ngram
+    engine.scheduler.speculative_config = dataclasses.replace(
+        engine.scheduler.speculative_config, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE)
+    results["throughput_on"] = throughput(llm, args.num_requests, 512, 128)
+    print(f"throughput, n-gram k=4 (disable_by_batch_size {DEFAULT_DISABLE_BY_BATCH_SIZE}): "
+          f"{results['throughput_on']:.0f} output tok/s "
+          f"({results['throughput_on'] / results['throughput_off']:.3f} of off)", flush=True)
+    free(llm)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu", action="store_true",
+                        help="the default model (real weights), small sizes: test the logic")
+    args = parser.parse_args()
+    if args.cpu:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        args.model, args.load_format, args.max_num_batched_tokens = None, "auto", 512
+        args.batches, args.steps, args.tpot_tokens, args.num_requests = [1, 4], 3, 24, 16
+    else:
+        args.model, args.load_format, args.max_num_batched_tokens = "llama-3.1-8b", "dummy", 2048
+        args.batches, args.steps, args.tpot_tokens, args.num_requests = [1, 8, 32], 10, 256, 256
+    os.makedirs(args.out, exist_ok=True)
+    results = run(args)
+    with open(os.path.join(args.out, "spec_decode_gpu.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
