@@ -270,8 +270,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """Every concern's config, built and validated once before loading and passed down (vLLM's
-    VllmConfig). The configs of LoRA, speculative decoding, quantization and pooling join here
-    as those features land."""
+    VllmConfig); LoRA's joins here when it lands."""
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig

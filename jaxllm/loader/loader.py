@@ -94,7 +94,7 @@ def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto"
         params = restore_params(model, args, shardings, target)
     else:
         params = load_safetensors(model, args, target, shardings,
-                                  QuantizedLinears(quantization, hf_config, target))
+                                  quantized=QuantizedLinears(quantization, hf_config, target))
     tok = load_tokenizer(tokenizer or model)
     return LoadedModel(args=args, params=params, hf_config=hf_config, tokenizer=tok,
                        eos_token_ids=eos_token_ids(model, hf_config, tok), model_path=model,
