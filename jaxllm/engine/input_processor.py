@@ -31,6 +31,10 @@ class InputProcessor:
         # Ids past the tokenizer's own vocabulary decode to nothing: refuse them too.
         self.vocab_size = vocab_size if tokenizer is None else min(vocab_size, len(tokenizer))
         self.chat_template = chat_template
+        # No token spells more characters than its vocabulary entry holds (byte-level and
+        # SentencePiece entries alike), special tokens included.
+        longest = 0 if tokenizer is None else max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * max_model_len * longest  # 2: normalisers may drop some
 
     def require_tokenizer(self, param: str | None = None):
         if self.tokenizer is None:
@@ -40,33 +44,29 @@ class InputProcessor:
 
     # -- prompts --------------------------------------------------------------------------------
     def process(self, prompt: str | list[int] | dict[str, Any]) -> ProcessedPrompt:
-        """`LLM`'s prompt forms: text, token ids, or {"prompt"[, "prompt_token_ids"]}; checked
-        against max_model_len with the offline engine's message."""
+        """`LLM`'s prompt forms: text, token ids, or {"prompt"[, "prompt_token_ids"]}."""
         if isinstance(prompt, str):
-            processed = self.from_text(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
-            processed = self.from_text(prompt["prompt"])
-        else:  # token ids: the text is what the caller gave (vLLM's RequestOutput.prompt)
-            text = prompt.get("prompt") if isinstance(prompt, dict) else None
-            ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
-            self.check_vocab(ids)
-            processed = self._checked(ids, text)
-        if len(processed.token_ids) > self.max_model_len:
-            raise InputError(
-                f"The decoder prompt (length {len(processed.token_ids)}) is longer than the "
-                f"maximum model length of {self.max_model_len}. Make sure that `max_model_len` "
-                f"is no smaller than the number of text tokens.", "prompt")
-        return processed
+            return self.from_text(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            return self.from_text(prompt["prompt"])
+        # Token ids: the text is what the caller gave (vLLM's RequestOutput.prompt).
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+        self.check_vocab(ids)
+        return self._checked(ids, text)
 
     def from_text(self, text: str, add_special_tokens: bool = True,
                   param: str = "prompt") -> ProcessedPrompt:
-        ids = self.require_tokenizer(param).encode(text, add_special_tokens=add_special_tokens)
-        return self._checked(ids, text, param)
+        tokenizer = self.require_tokenizer(param)
+        self._check_text_size(text, param)
+        return self._checked(tokenizer.encode(text, add_special_tokens=add_special_tokens),
+                             text, param)
 
     def from_token_ids(self, token_ids: list[int], param: str = "prompt") -> ProcessedPrompt:
+        self._checked(token_ids, None, param)  # before decoding an id list of any length
         self.check_vocab(token_ids, param)
         text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)
-        return self._checked(token_ids, text, param)
+        return ProcessedPrompt(token_ids, text)
 
     def from_chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                   continue_final_message: bool = False, chat_template: str | None = None,
@@ -83,6 +83,7 @@ class InputProcessor:
                 continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as error:  # noqa: BLE001 - template errors are the request's fault
             raise InputError(f"Could not apply the chat template: {error}", "messages") from None
+        self._check_text_size(text, "messages")
         return self._checked(tokenizer.encode(text, add_special_tokens=False), text, "messages")
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -115,4 +116,18 @@ class InputProcessor:
                  param: str = "prompt") -> ProcessedPrompt:
         if not token_ids:
             raise InputError("The decoder prompt cannot be empty.", param)
+        if len(token_ids) > self.max_model_len:
+            raise InputError(
+                f"The decoder prompt (length {len(token_ids)}) is longer than the maximum model "
+                f"length of {self.max_model_len}. Make sure that `max_model_len` is no smaller "
+                f"than the number of text tokens.", param)
         return ProcessedPrompt(token_ids, text)
+
+    def _check_text_size(self, text: str, param: str) -> None:
+        """Refuses, before tokenising it, text too long to fit max_model_len tokens of the
+        longest token: tokenising a prompt of tens of MB takes a CPU minute."""
+        if len(text) > self.max_prompt_chars:
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {len(text)} characters, more than {self.max_model_len} "
+                f"tokens can hold. Please reduce the length of the input messages.", param)
