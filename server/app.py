@@ -104,11 +104,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
         return _json(await _tokenize(serving, tokenize_request))
 
     async def detokenize(request: Request) -> Response:
-        detokenize_request = await body(request, DetokenizeRequest)
-        serving.check_model(detokenize_request.model)
-        serving.require_tokenizer("tokens")
-        text = await serving.off_loop(serving.processor.detokenize, detokenize_request.tokens)
-        return _json(DetokenizeResponse(text))
+        return _json(await _detokenize(serving, await body(request, DetokenizeRequest)))
 
     async def models(request: Request) -> Response:
         return _json(serving.models())
@@ -133,12 +129,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
         Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=_watchdog(serving, on_engine_dead or _exit_non_zero),
-                    exception_handlers={
-                        OpenAIError: _openai_error,
-                        InputError: _input_error,
-                        HTTPException: _http_error,
-                        Exception: _internal_error,
-                    })
+                    exception_handlers=_EXCEPTION_HANDLERS)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
@@ -156,6 +147,13 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
         prompt = await serving.off_loop(serving.processor.from_text, request.prompt,
                                         request.add_special_tokens)
     return TokenizeResponse(prompt.token_ids, len(prompt.token_ids), serving.max_model_len)
+
+
+async def _detokenize(serving: OpenAIServing, request: DetokenizeRequest) -> DetokenizeResponse:
+    serving.check_model(request.model)
+    serving.require_tokenizer("tokens")
+    return DetokenizeResponse(await serving.off_loop(serving.processor.detokenize,
+                                                     request.tokens))
 
 
 def _watchdog(serving: OpenAIServing, on_engine_dead):
@@ -228,6 +226,14 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
 async def _internal_error(request: Request, error: Exception) -> Response:
     logger.exception("Unhandled error", exc_info=error)
     return error_response(OpenAIError(INTERNAL_ERROR, HTTPStatus.INTERNAL_SERVER_ERROR))
+
+
+_EXCEPTION_HANDLERS = {
+    OpenAIError: _openai_error,
+    InputError: _input_error,
+    HTTPException: _http_error,
+    Exception: _internal_error,
+}
 
 
 class ApiKeyMiddleware:
