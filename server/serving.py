@@ -14,7 +14,7 @@ from http import HTTPStatus
 import msgspec
 
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
-from jaxllm.engine.input_processor import InputError, InputProcessor, ProcessedPrompt
+from jaxllm.engine.input_processor import InputProcessor, ProcessedPrompt
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.server.errors import INTERNAL_ERROR, OpenAIError, error_body
@@ -52,12 +52,9 @@ class OpenAIServing:
         self.metrics = metrics
 
     async def off_loop(self, fn, *args):
-        """`fn(*args)` on the input thread; InputError becomes a 400."""
+        """`fn(*args)` on the input thread (an InputError it raises becomes a 400)."""
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._input_thread, functools.partial(fn, *args))
-        except InputError as error:
-            raise OpenAIError(str(error), param=error.param) from None
+        return await loop.run_in_executor(self._input_thread, functools.partial(fn, *args))
 
     def models(self) -> ModelList:
         root = self.served_model_names[0]
@@ -66,10 +63,7 @@ class OpenAIServing:
 
     def require_tokenizer(self, param: str | None = None):
         """The tokenizer; 400 on a server started without one (dummy presets)."""
-        try:
-            return self.processor.require_tokenizer(param)
-        except InputError as error:
-            raise OpenAIError(str(error), param=param) from None
+        return self.processor.require_tokenizer(param)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
@@ -78,13 +72,10 @@ class OpenAIServing:
 
     # -- sampling -------------------------------------------------------------------------------
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, prompt_len: int,
-                        logprobs: int | None, prompt_logprobs: int | None = None,
-                        num_prompts: int = 1) -> SamplingParams:
-        self.check_request(request, num_prompts)
-        try:
-            self.processor.check_context(prompt_len, max_tokens)
-        except InputError as error:
-            raise OpenAIError(str(error), param=error.param) from None
+                        logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams, after `check_request` and the prompt's processing."""
+        self.processor.check_context(prompt_len, max_tokens)
         stop = [request.stop] if isinstance(request.stop, str) else request.stop
         try:
             return SamplingParams(
@@ -112,7 +103,8 @@ class OpenAIServing:
             raise OpenAIError(str(error)) from None
 
     def check_request(self, request: SamplingFields, num_prompts: int) -> None:
-        """The bounds and unsupported fields that SamplingParams does not check."""
+        """The bounds and unsupported fields that SamplingParams does not check; before any
+        work on the prompts."""
         field = unsupported_field(request)
         if field is not None:
             raise OpenAIError(f"`{field}` is not supported by this server.", param=field)

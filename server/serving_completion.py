@@ -42,8 +42,7 @@ class CompletionServing:
         # generates one token, which the answer leaves out.
         echo_only = request.echo and request.max_tokens == 0
         params = self.serving.sampling_params(request, 1 if echo_only else request.max_tokens,
-                                              longest, request.logprobs, prompt_logprobs,
-                                              len(prompts))
+                                              longest, request.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = await self.serving.start(prompts, params, request_id)
         if echo_only:
