@@ -6,7 +6,7 @@ that the engine is idle with every KV block free, that the server's RSS stayed f
 second half, and that every completed request's output equals the same request run alone.
 
     python benchmarks/load_test.py                      # 10 minutes, 48 clients
-    python benchmarks/load_test.py --duration 40        # what tests/test_load_test.py runs
+    python benchmarks/load_test.py --duration 25 --prompts 8   # about what the tests run
 
 Exit status 0 when every check passes; the figures go to stdout as JSON.
 """
@@ -202,13 +202,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clients", type=int, default=48)
     parser.add_argument("--cancel-share", type=float, default=0.3)
     parser.add_argument("--model", default=None, help="default: a tiny random Llama")
+    parser.add_argument("--prompts", type=int, default=24, help="distinct prompts in the mix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-tolerance", type=float, default=0.05,
                         help="allowed RSS growth from the third to the last quarter")
     parser.add_argument("--server-args", default="", help="extra flags for the server")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    prompts = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 40))) for _ in range(24)]
+    prompts = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 40)))
+               for _ in range(args.prompts)]
     with tempfile.TemporaryDirectory(prefix="jaxllm-load-") as tmp:
         model = args.model or tiny_model(tmp)
         server = RemoteServer(model, SERVER_ARGS + args.server_args.split())
