@@ -127,7 +127,9 @@ def rss_mib(pid: int) -> float:
 async def load(server: RemoteServer, args, prompts: list[str]) -> tuple[Tally, list]:
     tally, samples = Tally(), []
     deadline = time.monotonic() + args.duration
-    limits = httpx.Limits(max_connections=args.clients + 8)
+    # A client must drop an idle connection before the server does (uvicorn: 5 s), or a request
+    # sent as the server closes it fails: HTTP/1.1's keep-alive race, not the server's fault.
+    limits = httpx.Limits(max_connections=args.clients + 8, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT_S,
                                  limits=limits) as http:
         rngs = [random.Random(args.seed * 1000 + i) for i in range(args.clients)]
