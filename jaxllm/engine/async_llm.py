@@ -127,9 +127,9 @@ class AsyncLLM:
             raise EngineDeadError("The engine loop had stopped.") from self._error
 
     def _submit(self, command: _AddCommand) -> None:
-        if not self.is_healthy:
-            raise EngineDeadError(_DEAD)
-        with self._wakeup:
+        with self._wakeup:  # under the lock, so a dying loop fails every add it lets in
+            if not self.is_healthy:
+                raise EngineDeadError(_DEAD)
             if self.max_queue_len is not None:
                 # Sequences, not requests: one request with n=128 queues 128 of them.
                 num_queued = self._stats.get("num_waiting", 0) + sum(
