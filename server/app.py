@@ -3,41 +3,59 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import resource
+import signal
 from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 
 import msgspec
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxllm.server.errors import OpenAIError, decode_request, error_response
+from jaxllm.engine.input_processor import InputError
+from jaxllm.server.errors import INTERNAL_ERROR, OpenAIError, decode_request, error_response
 from jaxllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              DetokenizeResponse, TokenizeRequest, TokenizeResponse)
 from jaxllm.server.serving import OpenAIServing
 from jaxllm.server.serving_chat import ChatServing, render_chat
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from jaxllm.server.serving_completion import CompletionServing
 from jaxllm.server.serving_pooling import pooling_routes, require_generative
 
 logger = logging.getLogger(__name__)
-MAX_BODY_BYTES = 32 * 1024 * 1024
 _ENCODER = msgspec.json.Encoder()
+
+# Server limits; `jaxllm serve` exposes each as a flag of the same name.
+# A body bound keeps one request's tokenising bounded (vLLM has none; a prompt at a 128k context
+# is well under 1 MiB of text).
+MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# Open connections (and requests) past which uvicorn answers 503.
+LIMIT_CONCURRENCY = 2048
+# Seconds a connection may stay idle, before its first request as well as between requests.
+TIMEOUT_KEEP_ALIVE = 5
+# Bytes of an unfinished request head (h11); vLLM's --h11-max-incomplete-event-size default.
+H11_MAX_INCOMPLETE_EVENT_SIZE = 4 * 1024 * 1024
+# Seconds between checks that the engine thread is alive.
+_WATCHDOG_PERIOD_S = 0.5
 
 
 def _json(body) -> Response:
     return Response(_ENCODER.encode(body), media_type="application/json")
 
 
-async def _read_body(request: Request) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise OpenAIError(f"Request body exceeds {MAX_BODY_BYTES} bytes.",
+        if size > limit:
+            raise OpenAIError(f"Request body exceeds {limit} bytes.",
                               HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         chunks.append(chunk)
     return b"".join(chunks)
@@ -64,41 +82,32 @@ async def _until_disconnect(request: Request, work) -> Response:
     return task.result()
 
 
-def build_app(serving: OpenAIServing, api_key: str | None = None) -> Starlette:
+def build_app(serving: OpenAIServing, api_key: str | None = None,
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+              on_engine_dead=None) -> Starlette:
+    """The app. When the engine thread dies, `on_engine_dead()` runs (default: the process
+    stops with a non-zero status, as vLLM's, so that a supervisor restarts it)."""
     completions, chat = CompletionServing(serving), ChatServing(serving)
+
+    async def body(request: Request, request_type):
+        return decode_request(await _read_body(request, max_request_body_bytes), request_type)
 
     async def create_completion(request: Request) -> Response:
         require_generative(serving, "/v1/completions")
-        body = decode_request(await _read_body(request), CompletionRequest)
-        return await _until_disconnect(request, completions.create(body))
+        completion = await body(request, CompletionRequest)
+        return await _until_disconnect(request, completions.create(completion))
 
     async def create_chat_completion(request: Request) -> Response:
         require_generative(serving, "/v1/chat/completions")
-        body = decode_request(await _read_body(request), ChatCompletionRequest)
-        return await _until_disconnect(request, chat.create(body))
+        chat_request = await body(request, ChatCompletionRequest)
+        return await _until_disconnect(request, chat.create(chat_request))
 
     async def tokenize(request: Request) -> Response:
-        body = decode_request(await _read_body(request), TokenizeRequest)
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise OpenAIError("Exactly one of prompt and messages must be given.")
-        if body.messages is not None:
-            _, tokens = render_chat(serving, body.messages, body.add_generation_prompt)
-        else:
-            tokens = serving.require_tokenizer("prompt").encode(
-                body.prompt, add_special_tokens=body.add_special_tokens)
-        return _json(TokenizeResponse(tokens, len(tokens), serving.max_model_len))
+        tokenize_request = await body(request, TokenizeRequest)
+        return _json(await _tokenize(serving, tokenize_request))
 
     async def detokenize(request: Request) -> Response:
-        body = decode_request(await _read_body(request), DetokenizeRequest)
-        serving.check_model(body.model)
-        tokenizer = serving.require_tokenizer("tokens")
-        vocab = len(tokenizer)
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).",
-                              param="tokens")
-        return _json(DetokenizeResponse(tokenizer.decode(body.tokens)))
+        return _json(await _detokenize(serving, await body(request, DetokenizeRequest)))
 
     async def models(request: Request) -> Response:
         return _json(serving.models())
@@ -131,20 +140,97 @@ def build_app(serving: OpenAIServing, api_key: str | None = None) -> Starlette:
         Route("/version", get_version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        *pooling_routes(serving, _read_body, _until_disconnect),
+        *pooling_routes(serving, body, _until_disconnect),
     ]
-    app = Starlette(routes=routes, exception_handlers={
-        OpenAIError: _openai_error,
-        HTTPException: _http_error,
-        Exception: _internal_error,
-    })
+    app = Starlette(routes=routes, lifespan=_watchdog(serving, on_engine_dead or _exit_non_zero),
+                    exception_handlers=_EXCEPTION_HANDLERS)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
 
 
+async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
+    """/tokenize: the same input thread and body bound as generation, so no cheaper path."""
+    serving.check_model(request.model)
+    if (request.prompt is None) == (request.messages is None):
+        raise OpenAIError("Exactly one of prompt and messages must be given.")
+    if request.messages is not None:
+        prompt = await render_chat(serving, request.messages, request.add_generation_prompt)
+    else:
+        serving.require_tokenizer("prompt")
+        prompt = await serving.off_loop(serving.processor.from_text, request.prompt,
+                                        request.add_special_tokens)
+    return TokenizeResponse(prompt.token_ids, len(prompt.token_ids), serving.max_model_len)
+
+
+async def _detokenize(serving: OpenAIServing, request: DetokenizeRequest) -> DetokenizeResponse:
+    serving.check_model(request.model)
+    serving.require_tokenizer("tokens")
+    return DetokenizeResponse(await serving.off_loop(serving.processor.detokenize,
+                                                     request.tokens))
+
+
+def _watchdog(serving: OpenAIServing, on_engine_dead):
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async def watch() -> None:
+            while serving.engine.is_healthy:
+                await asyncio.sleep(_WATCHDOG_PERIOD_S)
+            logger.critical("The engine loop died; stopping the server.")
+            on_engine_dead()
+
+        task = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            task.cancel()
+    return lifespan
+
+
+def _exit_non_zero() -> None:
+    # uvicorn shuts down on SIGTERM, then re-raises it: the process ends killed by SIGTERM.
+    signal.raise_signal(signal.SIGTERM)
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str = "info",
+                   limit_concurrency: int | None = LIMIT_CONCURRENCY,
+                   timeout_keep_alive: int = TIMEOUT_KEEP_ALIVE,
+                   h11_max_incomplete_event_size: int = H11_MAX_INCOMPLETE_EVENT_SIZE
+                   ) -> uvicorn.Config:
+    """uvicorn's settings for the app, with this server's connection limits."""
+    _raise_open_files_limit()
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=_H11Protocol,
+                          limit_concurrency=limit_concurrency,
+                          timeout_keep_alive=timeout_keep_alive,
+                          h11_max_incomplete_event_size=h11_max_incomplete_event_size)
+
+
+class _H11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, but a connection that sends nothing is closed after the
+    keep-alive timeout too (uvicorn starts that timer only after a first response), so idle
+    connections cannot pile up until the process runs out of file descriptors."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+def _raise_open_files_limit() -> None:
+    """As vLLM: the soft limit on open files up to the hard one, for many connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 async def _openai_error(request: Request, error: OpenAIError) -> Response:
     return error_response(error)
+
+
+async def _input_error(request: Request, error: InputError) -> Response:
+    return error_response(OpenAIError(str(error), param=error.param))
 
 
 async def _http_error(request: Request, error: HTTPException) -> Response:
@@ -153,8 +239,15 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
 
 async def _internal_error(request: Request, error: Exception) -> Response:
     logger.exception("Unhandled error", exc_info=error)
-    return error_response(OpenAIError(f"Internal server error: {error!r}",
-                                      HTTPStatus.INTERNAL_SERVER_ERROR))
+    return error_response(OpenAIError(INTERNAL_ERROR, HTTPStatus.INTERNAL_SERVER_ERROR))
+
+
+_EXCEPTION_HANDLERS = {
+    OpenAIError: _openai_error,
+    InputError: _input_error,
+    HTTPException: _http_error,
+    Exception: _internal_error,
+}
 
 
 class ApiKeyMiddleware:

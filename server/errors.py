@@ -23,6 +23,8 @@ _ERROR_TYPES = {
 }
 
 _ENCODER = msgspec.json.Encoder()
+# What a client hears of a failure that is not its fault; the cause goes to the log only.
+INTERNAL_ERROR = "Internal server error; the server log has the details."
 
 
 class OpenAIError(Exception):
@@ -47,22 +49,23 @@ def error_response(error: OpenAIError) -> Response:
 
 
 def decode_request[T](body: bytes, request_type: type[T]) -> T:
-    """Decodes a JSON body into `request_type`, strict on types; unknown fields are logged."""
+    """Decodes a JSON body into `request_type`, strict on types; unknown fields are logged.
+    The body is decoded twice (the second time for the unknown fields' names, which the typed
+    decode skips without checking their UTF-8), so both decodes are guarded."""
     try:
         request = msgspec.json.decode(body, type=request_type)
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
     except msgspec.ValidationError as error:
         raise OpenAIError(f"Invalid request: {error}", param=_error_path(str(error))) from None
     except msgspec.DecodeError as error:
         raise OpenAIError(f"Malformed JSON body: {error}") from None
-    _warn_unknown_fields(body, request_type)
-    return request
-
-
-def _warn_unknown_fields(body: bytes, request_type: type) -> None:
-    fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except RecursionError:  # msgspec bounds the nesting by the interpreter's recursion limit
+        raise OpenAIError("Malformed JSON body: nested too deeply.") from None
     unknown = sorted(set(fields) - set(request_type.__struct_fields__))
     if unknown:
-        logger.warning("The following fields were present in the request but ignored: %s", unknown)
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       [name[:64] for name in unknown[:16]])
+    return request
 
 
 def _error_path(message: str) -> str | None:

@@ -2,12 +2,16 @@
 
 Requests decode strictly on types (no "1" for an int, no float for an int, no bool for a number).
 Unknown fields are ignored with a warning, as vLLM does: the openai client and its users send
-fields (user, tools, metadata, ...) that a server without them should still accept.
+fields (user, metadata, ...) that a server without them should still accept. Fields whose
+meaning the server does not implement (structured outputs, tools, logit_bias, best_of, ...) are
+decoded only to be refused with a 400 naming them (`unsupported_field`): a client must never
+believe it got JSON or a tool call when it got free text.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 
@@ -45,6 +49,15 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens
     # vLLM's extension: requests share cached prefix KV only under the same salt (tenants).
     cache_salt: str | None = None
+    # Not implemented: refused unless absent or harmless (unsupported_field).
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -67,6 +80,7 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Any = None  # not implemented: refused when present
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -78,6 +92,39 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, bool | int | float | str] | None = None
+    tools: Any = None  # not implemented: refused when given
+    tool_choice: Any = None  # only "none" (or absent) without tools
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def unsupported_field(request: SamplingFields) -> str | None:
+    """The first field of `request` that asks for something not implemented, or None."""
+    if request.best_of is not None and request.best_of != 1:
+        return "best_of"
+    if request.logit_bias:
+        return "logit_bias"
+    if request.response_format is not None and request.response_format != {"type": "text"}:
+        return "response_format"
+    guided = next((name for name in _GUIDED if getattr(request, name) is not None), None)
+    if guided is not None:
+        return guided
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        return "stream_options.continuous_usage_stats"
+    if isinstance(request, ChatCompletionRequest):
+        return _unsupported_chat_field(request)
+    return None
+
+
+def _unsupported_chat_field(request: ChatCompletionRequest) -> str | None:
+    if request.tools:
+        return "tools"
+    if request.tool_choice not in (None, "none"):
+        return "tool_choice"
+    if any(message.tool_calls for message in request.messages):
+        return "messages.tool_calls"
+    return None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -4,41 +4,58 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 
 import msgspec
 
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from jaxllm.engine.input_processor import InputProcessor, ProcessedPrompt
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.server.errors import OpenAIError, error_body
+from jaxllm.server.errors import INTERNAL_ERROR, OpenAIError, error_body
 from jaxllm.server.metrics import RequestTimer, ServerMetrics
 from jaxllm.server.protocol import (LogprobEntry, ModelCard, ModelList, PromptLogprobs,
-                                   PromptTokenUsageInfo, SamplingFields, UsageInfo)
+                                   PromptTokenUsageInfo, SamplingFields, UsageInfo,
+                                   unsupported_field)
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
 
 # OpenAI's JSON stand-in for -inf.
 MIN_LOGPROB = -9999.0
-# A request fans out into n sequences; past this the server would only queue itself to death.
+# A request fans out into prompts x n sequences; past these the server would only queue itself
+# to death (vLLM has no such caps; its clients never need more).
 MAX_N = 128
+MAX_SEQUENCES_PER_REQUEST = 1024
 MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
                  chat_template: str | None = None) -> None:
         self.engine = engine
-        # The engine thread detokenizes with its tokenizer; the event loop gets its own copy.
+        # The engine thread detokenizes with its tokenizer; the event loop (token texts) and
+        # the input thread (prompts) each get their own copy.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.processor = InputProcessor(copy.deepcopy(engine.tokenizer), engine.max_model_len,
+                                        engine.vocab_size, chat_template)
+        # Tokenising and templating run here, never on the event loop: a long prompt must not
+        # stall /health or the streams. One thread: prompts are bounded by the body limit.
+        self._input_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-input")
         self.max_model_len = engine.max_model_len
         self.served_model_names = served_model_names
         self.metrics = metrics
-        self.chat_template = chat_template
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on the input thread (an InputError it raises becomes a 400)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._input_thread, functools.partial(fn, *args))
 
     def models(self) -> ModelList:
         root = self.served_model_names[0]
@@ -47,10 +64,7 @@ class OpenAIServing:
 
     def require_tokenizer(self, param: str | None = None):
         """The tokenizer; 400 on a server started without one (dummy presets)."""
-        if self.tokenizer is None:
-            raise OpenAIError("This server was started without a tokenizer: only token-id "
-                              "prompts on /v1/completions are supported.", param=param)
-        return self.tokenizer
+        return self.processor.require_tokenizer(param)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
@@ -61,22 +75,9 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, prompt_len: int,
                         logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        self.check_lengths(prompt_len, max_tokens)
-        if request.prompt_logprobs is not None and request.stream:
-            raise OpenAIError("`prompt_logprobs` are not available when `stream=True`.",
-                              param="prompt_logprobs")
-        if not 1 <= request.n <= MAX_N:
-            raise OpenAIError(f"n must be in [1, {MAX_N}], got {request.n}.", param="n")
-        bad_ids = [t for t in request.stop_token_ids or () if not 0 <= t < self.engine.vocab_size]
-        if bad_ids:
-            raise OpenAIError(f"stop_token_ids must be in [0, {self.engine.vocab_size}), got "
-                              f"{bad_ids[0]}.", param="stop_token_ids")
+        """The request's SamplingParams, after `check_request` and the prompt's processing."""
+        self.processor.check_context(prompt_len, max_tokens)
         stop = [request.stop] if isinstance(request.stop, str) else request.stop
-        if stop is not None and len(stop) > MAX_STOP_STRINGS:
-            raise OpenAIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, "
-                              f"got {len(stop)}.", param="stop")
-        if stop:  # stop strings are found in detokenised text
-            self.require_tokenizer("stop")
         try:
             return SamplingParams(
                 n=request.n,
@@ -102,21 +103,40 @@ class OpenAIServing:
         except ValueError as error:
             raise OpenAIError(str(error)) from None
 
-    def check_lengths(self, prompt_len: int, max_tokens: int | None) -> None:
-        if max_tokens is None and prompt_len >= self.max_model_len:
+    def check_request(self, request: SamplingFields, num_prompts: int) -> None:
+        """The bounds and unsupported fields that SamplingParams does not check; before any
+        work on the prompts."""
+        field = unsupported_field(request)
+        if field is not None:
+            raise OpenAIError(f"`{field}` is not supported by this server.", param=field)
+        if request.prompt_logprobs is not None and request.stream:
+            raise OpenAIError("`prompt_logprobs` are not available when `stream=True`.",
+                              param="prompt_logprobs")
+        if not 1 <= request.n <= MAX_N:
+            raise OpenAIError(f"n must be in [1, {MAX_N}], got {request.n}.", param="n")
+        if num_prompts * request.n > MAX_SEQUENCES_PER_REQUEST:
             raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your request has {prompt_len} input tokens. Please reduce the length of the "
-                f"input messages.")
-        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-                f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                f"completion.", param="max_tokens")
+                f"A request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts "
+                f"x n), got {num_prompts} x {request.n}.", param="n")
+        bad_ids = [t for t in request.stop_token_ids or () if not 0 <= t < self.engine.vocab_size]
+        if bad_ids:
+            raise OpenAIError(f"stop_token_ids must be in [0, {self.engine.vocab_size}), got "
+                              f"{bad_ids[0]}.", param="stop_token_ids")
+        self._check_stop(request.stop)
+
+    def _check_stop(self, stop: str | list[str] | None) -> None:
+        stop = [stop] if isinstance(stop, str) else stop or []
+        if len(stop) > MAX_STOP_STRINGS:
+            raise OpenAIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, "
+                              f"got {len(stop)}.", param="stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise OpenAIError(f"A stop string may be at most {MAX_STOP_STRING_CHARS} characters "
+                              f"long.", param="stop")
+        if stop:  # stop strings are found in detokenised text
+            self.require_tokenizer("stop")
 
     # -- streams --------------------------------------------------------------------------------
-    async def start(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
+    async def start(self, prompts: list[ProcessedPrompt], params: SamplingParams,
                     request_id: str,
                     cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submits every prompt; returns once all were accepted (errors become 4xx/503 here).
@@ -128,9 +148,9 @@ class OpenAIServing:
         if cache_salt is not None and not cache_salt:
             raise OpenAIError("Parameter 'cache_salt' must be a non-empty string if provided.",
                               param="cache_salt")
-        streams = [self.engine.generate(ids, params, f"{request_id}-{i}", prompt=text,
+        streams = [self.engine.generate(p.token_ids, params, f"{request_id}-{i}", prompt=p.text,
                                         cache_salt=cache_salt)
-                   for i, (ids, text) in enumerate(prompts)]
+                   for i, p in enumerate(prompts)]
         firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
         error = next((f for f in firsts if isinstance(f, BaseException)), None)
         if error is not None:
@@ -184,11 +204,11 @@ async def _merge(firsts: list, streams: list[AsyncIterator]):
 
 def _as_openai_error(error: BaseException) -> BaseException:
     if isinstance(error, ValueError):
-        return OpenAIError(str(error))
+        return OpenAIError(str(error), param=getattr(error, "param", None))
     if isinstance(error, QueueFullError):
         return OpenAIError(str(error), HTTPStatus.SERVICE_UNAVAILABLE)
     if isinstance(error, EngineDeadError):
-        return OpenAIError(str(error), HTTPStatus.INTERNAL_SERVER_ERROR)
+        return OpenAIError(str(error), HTTPStatus.SERVICE_UNAVAILABLE)
     return error
 
 
@@ -277,7 +297,11 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def stream_error(error: Exception) -> bytes:
-    """An error after the 200 went out: an SSE event with OpenAI's error body."""
-    logger.error("Stream failed: %r", error)
-    status = getattr(error, "status", HTTPStatus.INTERNAL_SERVER_ERROR)
-    return sse(_ENCODER, error_body(str(error), status))
+    """An error after the 200 went out: an SSE event with OpenAI's error body; only our own
+    errors' messages reach the client, anything else stays in the log."""
+    if isinstance(error, (OpenAIError, EngineDeadError)):
+        logger.error("Stream failed: %s", error)
+        return sse(_ENCODER, error_body(str(error), getattr(
+            error, "status", HTTPStatus.SERVICE_UNAVAILABLE)))
+    logger.exception("Stream failed", exc_info=error)
+    return sse(_ENCODER, error_body(INTERNAL_ERROR, HTTPStatus.INTERNAL_SERVER_ERROR))

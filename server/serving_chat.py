@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
+from jaxllm.engine.input_processor import ProcessedPrompt
 from jaxllm.outputs import SampleLogprobs
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.server.errors import OpenAIError
@@ -28,27 +30,22 @@ _RESERVED_KWARGS = {"conversation", "chat_template", "tokenize", "add_generation
 _ENCODER = msgspec.json.Encoder()
 
 
-def render_chat(serving: OpenAIServing, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool = False,
-                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-    """The conversation as prompt text and token ids (the template already adds BOS)."""
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template reads them; only text content is supported."""
     if not messages:
         raise OpenAIError("messages must not be empty.", param="messages")
-    if add_generation_prompt and continue_final_message:
-        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be "
-                          "true.", param="continue_final_message")
-    conversation = [{"role": _role(m), "content": _content_text(m)} for m in messages]
+    return [{"role": _role(m), "content": _content_text(m)} for m in messages]
+
+
+async def render_chat(serving: OpenAIServing, messages: list[ChatMessage],
+                      add_generation_prompt: bool, continue_final_message: bool = False,
+                      template_kwargs: dict | None = None) -> ProcessedPrompt:
+    """The conversation as prompt text and token ids, rendered off the event loop."""
+    serving.require_tokenizer("messages")
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
-    tokenizer = serving.require_tokenizer("messages")
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, chat_template=serving.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs)
-    except Exception as error:  # noqa: BLE001 - template errors are the request's fault
-        raise OpenAIError(f"Could not apply the chat template: {error}",
-                          param="messages") from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return await serving.off_loop(functools.partial(
+        serving.processor.from_chat, conversation(messages), add_generation_prompt,
+        continue_final_message, template_kwargs=kwargs))
 
 
 def _role(message: ChatMessage) -> str:
@@ -78,17 +75,16 @@ class ChatServing:
     async def create(self, request: ChatCompletionRequest) -> Response:
         model = self.serving.check_model(request.model)
         num_logprobs = _num_logprobs(request)
-        text, prompt_ids = render_chat(self.serving, request.messages,
-                                       request.add_generation_prompt,
-                                       request.continue_final_message,
-                                       request.chat_template_kwargs)
+        self.serving.check_request(request, 1)  # before the template's work
+        prompt = await render_chat(self.serving, request.messages,
+                                   request.add_generation_prompt,
+                                   request.continue_final_message, request.chat_template_kwargs)
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
-        params = self.serving.sampling_params(request, max_tokens, len(prompt_ids), num_logprobs,
-                                              request.prompt_logprobs)
+        params = self.serving.sampling_params(request, max_tokens, len(prompt.token_ids),
+                                              num_logprobs, request.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self.serving.start([(prompt_ids, text)], params, request_id,
-                                           request.cache_salt)
+        outputs = await self.serving.start([prompt], params, request_id, request.cache_salt)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(self._stream(request, outputs, request_id, model,

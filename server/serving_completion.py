@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -9,7 +10,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
-from jaxllm.outputs import Logprob, RequestOutput
+from jaxllm.engine.input_processor import InputError, ProcessedPrompt
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.server.errors import OpenAIError
 from jaxllm.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
                              CompletionRequest, CompletionResponse)
@@ -30,15 +32,21 @@ class CompletionServing:
         model = self.serving.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported.", param="suffix")
-        prompts = self._prompts(request.prompt)
-        longest = max(len(ids) for ids, _ in prompts)
+        self.serving.check_request(request, _num_prompts(request.prompt))
+        prompts = await self.serving.off_loop(self._prompts, request.prompt)
+        longest = max(len(p.token_ids) for p in prompts)
         # As vLLM: echo with logprobs needs the prompt's logprobs too.
         prompt_logprobs = (request.logprobs if request.prompt_logprobs is None and request.echo
                            else request.prompt_logprobs)
-        params = self.serving.sampling_params(request, request.max_tokens, longest,
-                                              request.logprobs, prompt_logprobs)
+        # echo with max_tokens=0 scores the prompt (lm-eval's loglikelihood): the engine
+        # generates one token, which the answer leaves out.
+        echo_only = request.echo and request.max_tokens == 0
+        params = self.serving.sampling_params(request, 1 if echo_only else request.max_tokens,
+                                              longest, request.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = await self.serving.start(prompts, params, request_id, request.cache_salt)
+        if echo_only:
+            outputs = _prompt_only(outputs)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
@@ -51,40 +59,25 @@ class CompletionServing:
                                   usage=usage(finals))
         return Response(_ENCODER.encode(body), media_type="application/json")
 
-    def _prompts(self, prompt) -> list[tuple[list[int], str | None]]:
-        """[(token ids, text)], one per prompt; validates the union msgspec cannot express.
-        Without a tokenizer only token ids are accepted, and the text is None."""
+    def _prompts(self, prompt) -> list[ProcessedPrompt]:
+        """One ProcessedPrompt per prompt (runs on the input thread); validates the union
+        msgspec cannot express. Without a tokenizer only token ids are accepted."""
+        processor = self.serving.processor
         if isinstance(prompt, str):
-            return [(self.serving.require_tokenizer("prompt").encode(prompt), prompt)]
-        if not prompt:
-            raise OpenAIError("prompt cannot be empty.", param="prompt")
-        if len(prompt) > MAX_PROMPTS:
-            raise OpenAIError(f"At most {MAX_PROMPTS} prompts per request, got {len(prompt)}.",
-                              param="prompt")
+            return [processor.from_text(prompt)]
         kinds = {type(p) for p in prompt}
-        if kinds == {int}:
-            prompt = [prompt]
-        elif kinds == {str}:
-            tokenizer = self.serving.require_tokenizer("prompt")
-            return [(tokenizer.encode(p), p) for p in prompt]
-        elif kinds != {list}:
-            raise OpenAIError("prompt must be a string, a list of strings, a list of token ids "
-                              "or a list of token-id lists.", param="prompt")
-        if any(not ids for ids in prompt):
-            raise OpenAIError("prompt cannot be empty.", param="prompt")
-        return [(ids, self._decode_prompt(ids)) for ids in prompt]
+        if not prompt or kinds == {int}:  # one prompt of token ids, however long
+            return [processor.from_token_ids(prompt)]
+        if kinds == {str}:
+            return [processor.from_text(p) for p in prompt]
+        if kinds != {list}:
+            raise InputError("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of token-id lists.", "prompt")
+        return [processor.from_token_ids(ids) for ids in prompt]
 
-    def _decode_prompt(self, ids: list[int]) -> str | None:
-        vocab = self.serving.engine.vocab_size if self.tokenizer is None else len(self.tokenizer)
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(f"Token id {bad} is out of vocabulary (vocab size {vocab}).",
-                              param="prompt")
-        return None if self.tokenizer is None else self.tokenizer.decode(ids)
-
-    def _choice(self, request: CompletionRequest, prompt: tuple[list[int], str | None],
+    def _choice(self, request: CompletionRequest, prompt: ProcessedPrompt,
                 output: RequestOutput, prompt_index: int) -> list[CompletionChoice]:
-        prompt_ids, prompt_text = prompt
+        prompt_ids, prompt_text = prompt.token_ids, prompt.text
         echo_ids, echo_steps = self._echo(request, prompt_ids, output)
         return [CompletionChoice(
             index=prompt_index * request.n + c.index,
@@ -131,7 +124,8 @@ class CompletionServing:
         created = int(time.time())
         try:
             async for prompt_index, output in outputs:
-                prompt_ids, prompt_text = prompts[prompt_index]
+                prompt_ids, prompt_text = (prompts[prompt_index].token_ids,
+                                           prompts[prompt_index].text)
                 for c in output.outputs:
                     index = prompt_index * request.n + c.index
                     delta = tracker.delta(index, c)
@@ -174,3 +168,25 @@ async def _collect(outputs: AsyncIterator, num_prompts: int) -> list[RequestOutp
     finally:
         await outputs.aclose()
     return finals
+
+
+def _num_prompts(prompt) -> int:
+    """How many prompts `prompt` holds (a flat list of token ids is one), bounded."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1  # a mixed list is refused on the input thread
+    if len(prompt) > MAX_PROMPTS:
+        raise OpenAIError(f"At most {MAX_PROMPTS} prompts per request, got {len(prompt)}.",
+                          param="prompt")
+    return len(prompt)
+
+
+async def _prompt_only(outputs: AsyncIterator[tuple[int, RequestOutput]]):
+    """The outputs with every generated token left out (echo with max_tokens=0)."""
+    try:
+        async for index, output in outputs:
+            yield index, dataclasses.replace(output, outputs=[
+                CompletionOutput(c.index, "", [], logprobs=None if c.logprobs is None else [],
+                                 finish_reason=None if c.finish_reason is None else "length")
+                for c in output.outputs])
+    finally:
+        await outputs.aclose()

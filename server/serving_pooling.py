@@ -210,13 +210,14 @@ def _json(body) -> Response:
     return Response(_ENCODER.encode(body), media_type="application/json")
 
 
-def pooling_routes(serving: OpenAIServing, read_body, until_disconnect) -> list[Route]:
-    """The pooling endpoints; read_body and until_disconnect are the app's (server/app.py)."""
+def pooling_routes(serving: OpenAIServing, read_request, until_disconnect) -> list[Route]:
+    """The pooling endpoints; read_request (the body, bounded and decoded) and until_disconnect
+    are the app's (server/app.py)."""
     pooling = PoolingServing(serving)
 
     def route(path: str, request_type, handler) -> Route:
         async def endpoint(request: Request) -> Response:
-            body = decode_request(await read_body(request), request_type)
+            body = await read_request(request, request_type)
             return await until_disconnect(request, handler(body))
         return Route(path, endpoint, methods=["POST"])
 

@@ -388,3 +388,117 @@ def test_serve_with_no_model_uses_the_default(default_model_dir):
     finally:
         server.close()
     assert "Paris" in chat.choices[0].message.content, chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("path, extra, field", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
+    ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+    ("/v1/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "1", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "hi"}]}, "messages.tool_calls"),
+    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+])
+def test_unsupported_fields_are_refused_by_name(server, path, extra, field):
+    base = ({"prompt": "hi"} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(server.url + path, json={**base, "max_tokens": 2, **extra},
+                          headers=server.headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and f"`{field}` is not supported" in error["message"]
+
+
+def test_harmless_values_of_unsupported_fields_are_accepted(client):
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        response_format={"type": "text"}, tool_choice="none", logit_bias={})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2, best_of=1).choices
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(client, hf_log_softmax):
+    """lm-eval's loglikelihood request: the prompt and its logprobs, nothing generated."""
+    prompt = random.Random(5).choices(range(3, 300), k=11)
+    reference = hf_log_softmax(prompt)
+    response = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                         logprobs=1, temperature=0)
+    choice = response.choices[0]
+    detokenized = httpx.post(str(client.base_url).replace("/v1/", "/detokenize"),
+                             json={"tokens": prompt}).json()["prompt"]
+    assert choice.text == detokenized and choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 0 and response.usage.prompt_tokens == len(prompt)
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(prompt) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [reference[i - 1][prompt[i]] for i in range(1, len(prompt))], abs=1e-4)
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.logprobs.token_logprobs][1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-6)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b'{"prompt": "hi", "\xff\xfe": 1}', 400, "UTF-8"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested"),
+    (b'{"prompt": "hi", "chat_template_kwargs": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, ""),
+    (b'{"prompt": "hi", "stop": [' + b",".join([b'"s"'] * 65) + b"]}", 400, "at most 64"),
+    (b'{"prompt": "hi", "stop": "' + b"s" * 1025 + b'"}', 400, "at most 1024 characters"),
+    (b'{"prompt": [' + b",".join([b"[5]"] * 20) + b'], "n": 128}', 400, "20 x 128"),
+    (b'{"prompt": [' + b",".join([b"5"] * 1100) + b"]}", 400, "length 1100"),
+    (b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "n": 129}', 400, "n must be"),
+])
+def test_hostile_bodies_get_400(server, body, status, needle):
+    response = httpx.post(server.url + "/v1/completions", content=body, headers=server.headers,
+                          timeout=30)
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert needle in error["message"] and error["code"] == status
+
+
+def test_body_over_the_limit_gets_413(server):
+    body = b'{"prompt": "' + b"a" * (32 * 1024 * 1024) + b'"}'
+    response = httpx.post(server.url + "/tokenize", content=body, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
+def test_health_answers_while_a_huge_prompt_arrives(server):
+    """A 20 MB prompt is refused before tokenising, off the event loop; /health meanwhile."""
+    huge = "hello world kernels " * 1_000_000
+
+    async def scenario() -> tuple[list[float], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers=server.headers) as http:
+            posts = [asyncio.create_task(http.post(path, json=body)) for path, body in (
+                ("/v1/completions", {"prompt": huge, "max_tokens": 2}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                ("/tokenize", {"prompt": huge}))]
+            latencies = []
+            while not all(p.done() for p in posts):
+                start = time.perf_counter()
+                assert (await http.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(0.05)
+            return latencies, [p.result() for p in posts]
+
+    latencies, responses = asyncio.run(scenario())
+    for response in responses:
+        assert response.status_code == 400 and "maximum context length" in response.text
+    assert max(latencies) < 2.0, latencies

@@ -22,6 +22,10 @@ from jaxllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# What clients hear; the cause goes to the log only.
+_DEAD = "The engine loop stopped; the server is shutting down."
+
+
 class QueueFullError(RuntimeError):
     """More requests are waiting than --max-queue-len allows (the server answers 503)."""
 
@@ -36,7 +40,10 @@ class _Stream:
     queue: asyncio.Queue  # RequestOutput | BaseException
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop closed (server shutting down): nobody listens
+            pass
 
 
 @dataclass
@@ -46,7 +53,8 @@ class _AddCommand:
     sampling_params: SamplingParams
     prompt: str | None
     stream: _Stream
-    accepted: concurrent.futures.Future  # result None, or the ValueError from add_request
+    # None once added, or the ValueError from add_request; cancelled when the client left first
+    accepted: concurrent.futures.Future
     cache_salt: str | None = None
 
 
@@ -127,21 +135,26 @@ class AsyncLLM:
         return self._error is None and self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the loop thread; raises EngineDeadError if it had died, so that a server
+        process whose engine died exits non-zero and its supervisor restarts it."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join(timeout)
+        if self._error is not None:
+            raise EngineDeadError("The engine loop had stopped.") from self._error
 
     def _submit(self, command: _AddCommand) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"The engine loop stopped: {self._error!r}")
-        with self._wakeup:
+        with self._wakeup:  # under the lock, so a dying loop fails every add it lets in
+            if not self.is_healthy:
+                raise EngineDeadError(_DEAD)
             if self.max_queue_len is not None:
+                # Sequences, not requests: one request with n=128 queues 128 of them.
                 num_queued = self._stats.get("num_waiting", 0) + sum(
-                    isinstance(c, _AddCommand) for c in self._inbox)
+                    c.sampling_params.n for c in self._inbox if isinstance(c, _AddCommand))
                 if num_queued >= self.max_queue_len:
                     raise QueueFullError(
-                        f"The server is at capacity: {num_queued} requests are waiting "
+                        f"The server is at capacity: {num_queued} sequences are waiting "
                         f"(max_queue_len={self.max_queue_len}). Retry later.")
             self._inbox.append(command)
             self._wakeup.notify()
@@ -163,9 +176,9 @@ class AsyncLLM:
             logger.exception("Engine loop crashed")
             self._error = error
             for stream in self._streams.values():
-                stream.put(EngineDeadError(f"The engine loop stopped: {error!r}"))
+                stream.put(EngineDeadError(_DEAD))
             self._streams.clear()
-            self._fail_inbox(error)
+            self._fail_inbox()
 
     def _wait_for_work(self) -> list[_AddCommand | str] | None:
         with self._wakeup:
@@ -183,19 +196,25 @@ class AsyncLLM:
                 if self._streams.pop(command, None) is not None:
                     self.core.abort_request([command])
                     self._num_aborted += 1
-                continue
-            if isinstance(command, _ResetPrefixCacheCommand):
+            elif isinstance(command, _ResetPrefixCacheCommand):
                 command.done.set_result(self.core.reset_prefix_cache())
-                continue
-            try:
-                self.core.add_request(command.request_id, command.prompt_token_ids,
-                                      command.sampling_params, prompt=command.prompt,
-                                      cache_salt=command.cache_salt)
-            except ValueError as error:
-                command.accepted.set_exception(error)
-                continue
-            self._streams[command.request_id] = command.stream
-            command.accepted.set_result(None)
+            else:
+                self._add(command)
+
+    def _add(self, command: _AddCommand) -> None:
+        """Adds the request unless its client already left (the future was cancelled). Once
+        the future runs it can no longer be cancelled: a client leaving later sends an abort."""
+        if not command.accepted.set_running_or_notify_cancel():
+            return
+        try:
+            self.core.add_request(command.request_id, command.prompt_token_ids,
+                                  command.sampling_params, prompt=command.prompt,
+                                  cache_salt=command.cache_salt)
+        except ValueError as error:
+            command.accepted.set_exception(error)
+            return
+        self._streams[command.request_id] = command.stream
+        command.accepted.set_result(None)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -206,13 +225,12 @@ class AsyncLLM:
                 del self._streams[output.request_id]
             stream.put(output)
 
-    def _fail_inbox(self, error: BaseException) -> None:
+    def _fail_inbox(self) -> None:
         with self._wakeup:
             for command in self._inbox:
-                if isinstance(command, _AddCommand):
-                    command.accepted.set_exception(
-                        EngineDeadError(f"The engine loop stopped: {error!r}"))
+                if (isinstance(command, _AddCommand)
+                        and command.accepted.set_running_or_notify_cancel()):
+                    command.accepted.set_exception(EngineDeadError(_DEAD))
                 elif isinstance(command, _ResetPrefixCacheCommand):
-                    command.done.set_exception(
-                        EngineDeadError(f"The engine loop stopped: {error!r}"))
+                    command.done.set_exception(EngineDeadError(_DEAD))
             self._inbox.clear()

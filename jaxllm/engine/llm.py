@@ -12,6 +12,7 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.builder import make_engine
 from jaxllm.engine.llm_pooling import PoolingAPI
 from jaxllm.engine.pooling_engine import PoolingEngine
+from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -30,6 +31,9 @@ class LLM(PoolingAPI):
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = make_engine(self.engine_args)
+        self.input_processor = InputProcessor(self.llm_engine.tokenizer,
+                                              self.llm_engine.max_model_len,
+                                              self.llm_engine.vocab_size)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -56,11 +60,11 @@ class LLM(PoolingAPI):
         request_ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                text, token_ids = self._tokenize(prompt)
+                processed = self.input_processor.process(prompt)
                 request_id = str(next(self._request_counter))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                self.llm_engine.add_request(request_id, token_ids, params, prompt=text,
-                                            cache_salt=cache_salt)
+                self.llm_engine.add_request(request_id, processed.token_ids, params,
+                                            prompt=processed.text, cache_salt=cache_salt)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)  # nothing may leak
@@ -72,14 +76,11 @@ class LLM(PoolingAPI):
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids":
-                            tokenizer.encode(text, add_special_tokens=False)})
+            processed = self.input_processor.from_chat(
+                conversation, add_generation_prompt, chat_template=chat_template)
+            prompts.append({"prompt": processed.text, "prompt_token_ids": processed.token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
@@ -90,15 +91,6 @@ class LLM(PoolingAPI):
         if prompts and all(isinstance(t, int) for t in prompts):
             return [prompts]  # one prompt given as token ids
         return prompts
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.get_tokenizer().encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
-        return None, list(prompt)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
