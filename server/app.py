@@ -195,14 +195,15 @@ def _exit_non_zero() -> None:
 def uvicorn_config(app, host: str, port: int, log_level: str = "info",
                    limit_concurrency: int | None = LIMIT_CONCURRENCY,
                    timeout_keep_alive: int = TIMEOUT_KEEP_ALIVE,
-                   h11_max_incomplete_event_size: int = H11_MAX_INCOMPLETE_EVENT_SIZE
-                   ) -> uvicorn.Config:
-    """uvicorn's settings for the app, with this server's connection limits."""
+                   h11_max_incomplete_event_size: int = H11_MAX_INCOMPLETE_EVENT_SIZE,
+                   **options) -> uvicorn.Config:
+    """uvicorn's settings for the app, with this server's connection limits; options: any
+    other uvicorn.Config setting (TLS, root path, access log)."""
     _raise_open_files_limit()
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=_H11Protocol,
                           limit_concurrency=limit_concurrency,
                           timeout_keep_alive=timeout_keep_alive,
-                          h11_max_incomplete_event_size=h11_max_incomplete_event_size)
+                          h11_max_incomplete_event_size=h11_max_incomplete_event_size, **options)
 
 
 class _H11Protocol(H11Protocol):

@@ -11,6 +11,9 @@ import ssl
 import uvicorn
 
 from jaxllm.engine.args import EngineArgs, add_vllm_compat_flags, refuse
+from jaxllm.server.app import (H11_MAX_INCOMPLETE_EVENT_SIZE, LIMIT_CONCURRENCY,
+                               MAX_REQUEST_BODY_BYTES, TIMEOUT_KEEP_ALIVE)
+from jaxllm.server.app import uvicorn_config as app_uvicorn_config
 from jaxllm.server.metrics import PREFIXES
 
 logger = logging.getLogger("jaxllm.server")
@@ -32,7 +35,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="a Jinja chat template, or a file holding one "
                              "(default: the tokenizer's)")
     parser.add_argument("--max-queue-len", type=int, default=None,
-                        help="answer 503 while this many requests are waiting")
+                        help="answer 503 while this many sequences (prompts x n) are waiting")
+    parser.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
+                        help="answer 413 to a larger request body")
+    parser.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY,
+                        help="open connections at most; past it uvicorn answers 503")
+    parser.add_argument("--timeout-keep-alive", type=int, default=TIMEOUT_KEEP_ALIVE,
+                        help="seconds an idle connection stays open (before its first request "
+                             "too)")
+    parser.add_argument("--h11-max-incomplete-event-size", type=int,
+                        default=H11_MAX_INCOMPLETE_EVENT_SIZE,
+                        help="bytes of an HTTP request head at most (vLLM's flag)")
     parser.add_argument("--metrics-prefix", default="both", choices=sorted(PREFIXES),
                         help="/metrics names: vLLM's (vllm:, what its dashboards query), "
                              "jaxllm:, or both (default)")
@@ -57,11 +70,13 @@ def _add_uvicorn_args(parser: argparse.ArgumentParser) -> None:
 
 
 def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
-    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                          access_log=not args.disable_uvicorn_access_log,
-                          root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
-                          ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-                          ssl_cert_reqs=args.ssl_cert_reqs, timeout_keep_alive=5)
+    return app_uvicorn_config(
+        app, args.host, args.port, args.uvicorn_log_level,
+        limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        access_log=not args.disable_uvicorn_access_log, root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 class _OneApiKey(argparse.Action):
@@ -92,7 +107,7 @@ SERVER_FLAGS_DEFAULT_ONLY = (
 SERVER_FLAGS_NOT_IMPLEMENTED = (
     "--uds", "--disable-access-log-for-endpoints", "--allow-credentials", "--allowed-origins",
     "--allowed-methods", "--allowed-headers", "--ssl-ciphers", "--enable-ssl-refresh",
-    "--middleware", "--enable-request-id-headers", "--h11-max-incomplete-event-size",
+    "--middleware", "--enable-request-id-headers",
     "--h11-max-header-count", "--enable-offline-docs", "--lora-modules",
     "--chat-template-content-format", "--trust-request-chat-template",
     "--default-chat-template-kwargs", "--return-tokens-as-token-ids", "--enable-auto-tool-choice",
@@ -150,7 +165,8 @@ def run_serve(args: argparse.Namespace) -> None:
     from jaxllm.server.app import build_app
 
     serving = build_serving(args)
-    app = build_app(serving, api_key=args.api_key)
+    app = build_app(serving, api_key=args.api_key,
+                    max_request_body_bytes=args.max_request_body_bytes)
     try:
         asyncio.run(_serve(uvicorn.Server(uvicorn_config(app, args)), args,
                            serving.served_model_names[0]))

@@ -18,7 +18,7 @@ from jaxllm.engine.pooling_inputs import (cosine, cross_encoder_score, pair_inpu
                                           prompt_token_ids, score_pairs, truncation_length)
 from jaxllm.outputs import PoolingRequestOutput
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.server.errors import OpenAIError, decode_request
+from jaxllm.server.errors import OpenAIError
 from jaxllm.server.protocol_pooling import (
     ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData,
     EmbeddingRequest, EmbeddingResponse, PoolingData, PoolingRequest, PoolingResponse,
