@@ -23,9 +23,11 @@ from dataclasses import dataclass
 
 from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram,
                                PlatformCollector, ProcessCollector, generate_latest)
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily, Metric)
 from starlette.responses import Response
 
+from jaxllm.engine.engine_core import ITERATION_TOKENS_BUCKETS
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -178,8 +180,21 @@ class _EngineStats:
             yield self._family(GaugeMetricFamily(name, help_text, labels=LABELS), key)
         for name, key, help_text in _ENGINE_COUNTERS:
             yield self._family(CounterMetricFamily(name, help_text, labels=LABELS), key)
+        if "iteration_tokens_counts" in self.stats:
+            yield self._iteration_tokens()
         if "spec_decode_num_drafts_total" in self.stats:
             yield from self._spec_decode()
+
+    def _iteration_tokens(self) -> Metric:
+        family = HistogramMetricFamily("iteration_tokens_total",
+                                       "Histogram of number of tokens per engine_step.",
+                                       labels=LABELS)
+        edges = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+        counts = self.stats["iteration_tokens_counts"]
+        cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
+        family.add_metric(self.labels, list(zip(edges, cumulative)),
+                          sum_value=float(self.stats["iteration_tokens_sum"]))
+        return family
 
     def _spec_decode(self):
         for name, key, help_text in _SPEC_DECODE_COUNTERS:

@@ -29,10 +29,12 @@ VLLM_SERIES = {
     "request_params_n": "histogram", "request_params_max_tokens": "histogram",
     "cache_config_info": "gauge",
     "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+    "iteration_tokens_total": "histogram",
 }
 STATS = {"num_running": 1, "num_waiting": 2, "kv_cache_usage": 0.25, "num_free_blocks": 7,
          "num_preemptions_total": 3, "prompt_tokens_total": 11, "generation_tokens_total": 13,
-         "num_aborted_total": 1, "prefix_cache_queries_total": 40, "prefix_cache_hits_total": 16}
+         "num_aborted_total": 1, "prefix_cache_queries_total": 40, "prefix_cache_hits_total": 16,
+         "iteration_tokens_counts": [0, 2, 0, 1] + [0] * 10, "iteration_tokens_sum": 30}
 CACHE_INFO = {"block_size": 16, "num_gpu_blocks": 64, "gpu_memory_utilization": 0.9}
 
 
@@ -73,6 +75,11 @@ def test_every_series_under_both_prefixes_with_vllms_labels():
     assert value(found, "vllm:num_preemptions", "_total") == 3
     assert value(found, "jaxllm:prefix_cache_queries", "_total") == 40
     assert value(found, "vllm:prefix_cache_hits", "_total") == 16
+    # Two steps of 2-8 tokens and one of 17-32: vLLM's buckets, cumulative.
+    assert value(found, "vllm:iteration_tokens_total", "_bucket", le="8.0") == 2
+    assert value(found, "vllm:iteration_tokens_total", "_bucket", le="32.0") == 3
+    assert value(found, "vllm:iteration_tokens_total", "_count") == 3
+    assert value(found, "vllm:iteration_tokens_total", "_sum") == 30
     reasons = {s.labels["finished_reason"] for s in found["vllm:request_success"].samples
                if s.name.endswith("_total")}
     assert reasons == {"stop", "length", "abort", "error", "repetition"}
@@ -194,6 +201,8 @@ def test_counts_follow_requests(server):
     assert moved("vllm:request_generation_tokens", "_sum") == 3 * MAX_TOKENS
     assert moved("vllm:request_params_n", "_sum") == 3
     assert moved("vllm:request_params_max_tokens", "_sum") == 3 * MAX_TOKENS
+    assert moved("vllm:iteration_tokens_total", "_count") >= MAX_TOKENS  # a step per token at least
+    assert moved("vllm:iteration_tokens_total", "_sum") >= 3 * MAX_TOKENS
     assert value(after, "vllm:num_requests_running") == 0
     assert value(after, "vllm:kv_cache_usage_perc") == 0
     info = after["vllm:cache_config_info"].samples[0].labels

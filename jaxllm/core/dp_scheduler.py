@@ -26,6 +26,10 @@ class DPSchedulerOutput:
         return sum(out.num_reqs for out in self.ranks)
 
     @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(out.total_num_scheduled_tokens for out in self.ranks)
+
+    @property
     def finished_req_ids(self) -> set[str]:
         return set().union(*(out.finished_req_ids for out in self.ranks))
 

@@ -9,6 +9,7 @@ them, and the device runs steps in launch order.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import itertools
 import logging
@@ -27,6 +28,9 @@ from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("jaxllm")
+
+# vLLM's buckets of its iteration_tokens_total histogram (tokens scheduled in one step).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class EngineCore:
@@ -52,6 +56,9 @@ class EngineCore:
         self._share_groups = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Steps by tokens scheduled, per ITERATION_TOKENS_BUCKETS upper bound (and one over all).
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self.proposer = _make_proposer(config)
 
     # -- requests -------------------------------------------------------------------------------
@@ -130,6 +137,7 @@ class EngineCore:
         launched = None
         if scheduler_output.num_reqs:
             launched = (scheduler_output, self.runner.launch(scheduler_output))
+            self._count_iteration(scheduler_output.total_num_scheduled_tokens)
         else:
             self.runner.release(scheduler_output.finished_req_ids
                                 | scheduler_output.preempted_req_ids)
@@ -161,6 +169,10 @@ class EngineCore:
                 {r.request_id: self.proposer.propose(r.all_token_ids)
                  for r in updated if not r.is_finished()})
 
+    def _count_iteration(self, num_tokens: int) -> None:
+        self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens
+
     def get_stats(self) -> dict:
         stats = self.scheduler.make_stats()
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
@@ -173,6 +185,8 @@ class EngineCore:
                 "num_blocks": self.num_blocks * self.dp_size,
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total,
+                "iteration_tokens_counts": list(self.iteration_tokens_counts),
+                "iteration_tokens_sum": self.iteration_tokens_sum,
                 **_spec_decode_stats(stats.spec_decoding)}
 
 
