@@ -31,7 +31,8 @@ class ScriptedCore:
     def get_stats(self) -> dict:
         return {"num_waiting": 0}
 
-    def add_request(self, request_id, prompt_token_ids, sampling_params, prompt=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, sampling_params, prompt=None,
+                    cache_salt=None) -> None:
         self.added.append(request_id)
         self.pending.append(request_id)
 

@@ -20,6 +20,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.dp_scheduler import DPScheduler
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler, SchedulerOutput
+from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.output_processor import OutputProcessor, child_request_id
 from jaxllm.outputs import RequestOutput
 from jaxllm.sample.metadata import check_min_tokens_stop_ids
@@ -51,6 +52,7 @@ class EngineCore:
         self.model_name = config.model_config.served_model_name
         self.async_scheduling = config.runner_config.async_scheduling
         self.output_processor = OutputProcessor(tokenizer)
+        self.input_processor = InputProcessor(tokenizer, self.max_model_len, vocab_size)
         self._seed_rng = np.random.default_rng(config.model_config.seed)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._share_groups = itertools.count()
@@ -100,17 +102,7 @@ class EngineCore:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
-        if len(prompt_token_ids) == 0:
-            raise ValueError("The decoder prompt cannot be empty.")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(
-                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
-                f"model length of {self.max_model_len}. Make sure that `max_model_len` is no "
-                f"smaller than the number of text tokens.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab_size="
-                             f"{self.vocab_size}).")
+        self.input_processor.process(prompt_token_ids)  # the checks LLM and the server ran
 
     def abort_request(self, request_ids) -> None:
         for request_id in request_ids:

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.pooling_scheduler import PoolingRequest, PoolingScheduler
+from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.pooling_config import check_dimensions
 from jaxllm.outputs import PoolingOutput, PoolingRequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -37,6 +38,7 @@ class PoolingEngine:
         self.max_model_len = config.model_config.max_model_len
         self.model_name = config.model_config.served_model_name
         self.scheduler = PoolingScheduler(self.max_model_len, runner.shapes)
+        self.input_processor = InputProcessor(tokenizer, self.max_model_len, vocab_size)
         self.prompt_tokens_total = 0
 
     # -- requests -------------------------------------------------------------------------------
@@ -45,23 +47,10 @@ class PoolingEngine:
         if not isinstance(pooling_params, PoolingParams):
             raise ValueError("This model is a pooling model (--runner pooling): it embeds, "
                              "classifies and scores, and cannot generate text.")
-        self._validate(prompt_token_ids)
+        self.input_processor.process(prompt_token_ids)  # the checks LLM and the server ran
         params = self._resolve(pooling_params)
         self.scheduler.add_request(PoolingRequest(request_id, list(prompt_token_ids), params))
         self.prompt_tokens_total += len(prompt_token_ids)
-
-    def _validate(self, prompt_token_ids: list[int]) -> None:
-        if len(prompt_token_ids) == 0:
-            raise ValueError("The prompt cannot be empty.")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(
-                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
-                f"model length of {self.max_model_len}. Make sure that `max_model_len` is no "
-                f"smaller than the number of text tokens.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab_size="
-                             f"{self.vocab_size}).")
 
     def _resolve(self, params: PoolingParams) -> PoolingParams:
         """The request's params with the model's defaults filled in, checked against the model."""
