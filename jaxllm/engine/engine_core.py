@@ -52,7 +52,9 @@ class EngineCore:
         self.model_name = config.model_config.served_model_name
         self.async_scheduling = config.runner_config.async_scheduling
         self.output_processor = OutputProcessor(tokenizer)
-        self.input_processor = InputProcessor(tokenizer, self.max_model_len, vocab_size)
+        # Token ids only: the model's vocabulary bounds them (random-id benchmarks may use ids
+        # past a smaller tokenizer's).
+        self.input_processor = InputProcessor(None, self.max_model_len, vocab_size)
         self._seed_rng = np.random.default_rng(config.model_config.seed)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._share_groups = itertools.count()

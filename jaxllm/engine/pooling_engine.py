@@ -38,7 +38,7 @@ class PoolingEngine:
         self.max_model_len = config.model_config.max_model_len
         self.model_name = config.model_config.served_model_name
         self.scheduler = PoolingScheduler(self.max_model_len, runner.shapes)
-        self.input_processor = InputProcessor(tokenizer, self.max_model_len, vocab_size)
+        self.input_processor = InputProcessor(None, self.max_model_len, vocab_size)  # ids only
         self.prompt_tokens_total = 0
 
     # -- requests -------------------------------------------------------------------------------
