@@ -34,7 +34,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters_warmup: int,
                 num_iters: int, seed: int = 0, use_tqdm: bool = True) -> dict:
     """Seconds to generate output_len tokens for a batch of random input_len-token prompts."""
-    requests = random_requests(batch_size, input_len, output_len, llm.llm_engine.vocab_size,
+    requests = random_requests(batch_size, input_len, output_len, llm.input_processor.vocab_size,
                                seed=seed)
     prompts = [engine_prompt(r) for r in requests]
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)

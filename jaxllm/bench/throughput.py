@@ -110,7 +110,7 @@ def add_floor(result: dict, args: argparse.Namespace, requests: list[SampleReque
 
 def main(args: argparse.Namespace) -> dict:
     llm = make_llm(args)
-    requests = sample_requests(args, llm.get_tokenizer(), llm.llm_engine.vocab_size)
+    requests = sample_requests(args, llm.get_tokenizer(), llm.input_processor.vocab_size)
     result = run_throughput(llm, requests, use_tqdm=not args.disable_tqdm)
     print(format_result(result), flush=True)
     spec_decode.report(result, llm.llm_engine.get_stats())
