@@ -84,7 +84,7 @@ async def _until_disconnect(request: Request, work) -> Response:
 
 def build_app(serving: OpenAIServing, api_key: str | None = None,
               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
-              on_engine_dead=None) -> Starlette:
+              on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False) -> Starlette:
     """The app. When the engine thread dies, `on_engine_dead()` runs (default: the process
     stops with a non-zero status, as vLLM's, so that a supervisor restarts it)."""
     completions, chat = CompletionServing(serving), ChatServing(serving)
@@ -112,6 +112,12 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
     async def models(request: Request) -> Response:
         return _json(serving.models())
 
+    async def model(request: Request) -> Response:
+        return _json(serving.model(request.path_params["model_id"]))
+
+    async def tokenizer_info(request: Request) -> Response:
+        return _json(serving.tokenizer_info())
+
     async def health(request: Request) -> Response:
         return Response(status_code=200 if serving.engine.is_healthy else 503)
 
@@ -134,6 +140,9 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+        *([Route("/tokenizer_info", tokenizer_info, methods=["GET"])]
+          if enable_tokenizer_info_endpoint else []),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

@@ -36,6 +36,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: the tokenizer's)")
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="answer 503 while this many sequences (prompts x n) are waiting")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info (off by default, as vLLM)")
     parser.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
                         help="answer 413 to a larger request body")
     parser.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY,
@@ -114,7 +116,7 @@ SERVER_FLAGS_NOT_IMPLEMENTED = (
     "--exclude-tools-when-tool-choice-none", "--tool-call-parser", "--tool-parser-plugin",
     "--tool-server", "--log-config-file",
     "--enable-per-request-metrics", "--enable-server-load-tracking",
-    "--enable-force-include-usage", "--enable-tokenizer-info-endpoint", "--enable-log-outputs",
+    "--enable-force-include-usage", "--enable-log-outputs",
     "--log-error-stack", "--tokens-only", "--headless", "--config", "--fingerprint-mode",
     "--fingerprint-value",
 )
@@ -166,7 +168,8 @@ def run_serve(args: argparse.Namespace) -> None:
 
     serving = build_serving(args)
     app = build_app(serving, api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes)
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     try:
         asyncio.run(_serve(uvicorn.Server(uvicorn_config(app, args)), args,
                            serving.served_model_names[0]))

@@ -62,6 +62,23 @@ class OpenAIServing:
         return ModelList([ModelCard(id=name, max_model_len=self.max_model_len, root=root)
                           for name in self.served_model_names])
 
+    def model(self, model_id: str) -> ModelCard:
+        """One served model's card (GET /v1/models/{id}), or OpenAI's 404."""
+        card = next((c for c in self.models().data if c.id == model_id), None)
+        if card is None:
+            raise OpenAIError(f"The model `{model_id}` does not exist.", HTTPStatus.NOT_FOUND,
+                              "model")
+        return card
+
+    def tokenizer_info(self) -> dict:
+        """What a client needs to tokenise as the server does (vLLM's /tokenizer_info)."""
+        tokenizer = self.require_tokenizer()
+        special = {name: getattr(tokenizer, name, None)
+                   for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return {"tokenizer_class": type(tokenizer).__name__, **special,
+                "chat_template": self.chat_template or getattr(tokenizer, "chat_template", None),
+                "model_max_length": self.max_model_len, "vocab_size": len(tokenizer)}
+
     def require_tokenizer(self, param: str | None = None):
         """The tokenizer; 400 on a server started without one (dummy presets)."""
         return self.processor.require_tokenizer(param)

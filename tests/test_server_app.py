@@ -18,7 +18,7 @@ from jaxllm.server.testing import free_port
 
 def stand_in_serving():
     engine = SimpleNamespace(is_healthy=True)
-    return SimpleNamespace(engine=engine, tokenizer=None, models=lambda: 1 / 0)
+    return SimpleNamespace(engine=engine, tokenizer=None, models=lambda: 1 / 0, max_model_len=128)
 
 
 def test_a_dead_engine_stops_the_server(monkeypatch):
@@ -59,3 +59,32 @@ def test_a_connection_that_sends_nothing_is_closed():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_one_model_by_id_and_tokenizer_info(tiny_tokenizer):
+    from functools import partial
+
+    from jaxllm.engine.input_processor import InputProcessor
+    from jaxllm.server.protocol import ModelCard, ModelList
+    from jaxllm.server.serving import OpenAIServing
+
+    serving = SimpleNamespace(engine=SimpleNamespace(is_healthy=True), max_model_len=128,
+                              tokenizer=tiny_tokenizer,
+                              chat_template=None,
+                              processor=InputProcessor(tiny_tokenizer, 128, 384),
+                              models=lambda: ModelList([ModelCard("tiny", 128),
+                                                        ModelCard("org/tiny-2", 128)]))
+    for name in ("model", "tokenizer_info", "require_tokenizer"):
+        setattr(serving, name, partial(getattr(OpenAIServing, name), serving))
+    with TestClient(build_app(serving, on_engine_dead=lambda: None)) as http:
+        assert http.get("/tokenizer_info").status_code == 404  # off unless asked, as vLLM
+        assert http.get("/v1/models/org/tiny-2").json()["id"] == "org/tiny-2"
+        missing = http.get("/v1/models/other")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == "The model `other` does not exist."
+    app = build_app(serving, on_engine_dead=lambda: None, enable_tokenizer_info_endpoint=True)
+    with TestClient(app) as http:
+        info = http.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tiny_tokenizer).__name__
+    assert info["vocab_size"] == len(tiny_tokenizer) and info["model_max_length"] == 128
+    assert info["eos_token"] == tiny_tokenizer.eos_token
