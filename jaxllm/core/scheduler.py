@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
@@ -92,6 +92,18 @@ class SchedulerOutput:
         """The scheduled requests in batch order."""
         return ([r.request_id for r in self.scheduled_cached_reqs]
                 + [r.request_id for r in self.scheduled_new_reqs])
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What schedule() has granted so far in one step."""
+    budget: int  # tokens left
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    grants: list["_Grant"] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted_ids: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -195,66 +207,66 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_batched_tokens
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        num_scheduled: dict[str, int] = {}
-        grants: list[_Grant] = []
-        preempted_ids: set[str] = set()
-        spec_tokens: dict[str, list[int]] = {}
-        use_drafts = self.speculation_on()
-        running = self.running
+        step = _StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        # As vLLM: no admissions in a step that had to preempt (the pool is full).
+        if not step.preempted_ids:
+            self._schedule_waiting(step)
+        finished_ids, self.finished_req_ids = self.finished_req_ids, set()
+        self._step_id += 1
+        if step.grants:
+            self._grants[self._step_id] = step.grants
+        return SchedulerOutput(self._step_id, step.new_reqs, step.cached_reqs,
+                               step.num_scheduled, self.max_num_batched_tokens - step.budget,
+                               step.spec_tokens, finished_ids, step.preempted_ids)
 
+    def _schedule_running(self, step: "_StepPlan") -> None:
+        """Running requests first, in order, each with its drafts when speculating; one that
+        needs blocks preempts the newest."""
+        use_drafts = self.speculation_on()
         allocate_slots = self.kv_cache_manager.allocate_slots
+        running = self.running
         req_index = 0
-        while req_index < len(running) and token_budget > 0:
+        while req_index < len(running) and step.budget > 0:
             request = running[req_index]
-            num_new_tokens = self._num_new_tokens(request, token_budget)
+            num_new_tokens = self._num_new_tokens(request, step.budget)
             if num_new_tokens <= 0:  # nothing to compute until its sampled token arrives
                 req_index += 1
                 continue
-            drafts = self._drafts(request, num_new_tokens, token_budget) if use_drafts else []
+            drafts = self._drafts(request, num_new_tokens, step.budget) if use_drafts else []
             num_tokens = num_new_tokens + len(drafts)
             new_block_ids = allocate_slots(request, num_tokens)
             if new_block_ids is None:
-                new_block_ids = self._preempt_until_fits(request, num_tokens, preempted_ids)
+                new_block_ids = self._preempt_until_fits(request, num_tokens, step.preempted_ids)
                 if new_block_ids is None:
                     break
-            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
-                                                 request.num_computed_tokens))
-            grants.append(self._grant(request, num_new_tokens, num_scheduled, drafts))
+            step.cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
+                                                      request.num_computed_tokens))
+            step.grants.append(self._grant(request, num_new_tokens, step.num_scheduled, drafts))
             if drafts:
-                spec_tokens[request.request_id] = drafts
-            token_budget -= num_new_tokens + len(drafts)
+                step.spec_tokens[request.request_id] = drafts
+            step.budget -= num_tokens
             req_index += 1
 
-        # As vLLM: no admissions in a step that had to preempt (the pool is full).
-        while (not preempted_ids and self.waiting and token_budget > 0
-               and len(running) < self.max_num_seqs):
+    def _schedule_waiting(self, step: "_StepPlan") -> None:
+        """Then waiting requests, first come first served, with their cached prefixes."""
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted with a token in flight: recompute
                 break  # only once that token is known (after update_from_output)
-            num_new_tokens = self._admit(request, token_budget)
+            num_new_tokens = self._admit(request, step.budget)
             if num_new_tokens is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            running.append(request)
-            new_reqs.append(NewRequestData(
+            self.running.append(request)
+            step.new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.output_token_ids.copy(),
                 request.sampling_params,
                 list(self.kv_cache_manager.get_block_ids(request.request_id)),
                 request.num_computed_tokens))
-            grants.append(self._grant(request, num_new_tokens, num_scheduled))
-            token_budget -= num_new_tokens
-
-        finished_ids, self.finished_req_ids = self.finished_req_ids, set()
-        self._step_id += 1
-        if grants:
-            self._grants[self._step_id] = grants
-        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, num_scheduled,
-                               self.max_num_batched_tokens - token_budget, spec_tokens,
-                               finished_ids, preempted_ids)
+            step.grants.append(self._grant(request, num_new_tokens, step.num_scheduled))
+            step.budget -= num_new_tokens
 
     def _admit(self, request: Request, token_budget: int) -> int | None:
         """Gives a waiting request its cached prefix blocks and the blocks of its first grant;
