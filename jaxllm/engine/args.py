@@ -66,25 +66,11 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         device_memory.size_allocator_pool(self.gpu_memory_utilization)
         get_hash_fn(self.prefix_caching_hash_algo)  # an unknown or uninstalled one fails now
-        model_path = resolve_model_path(self.model, self.load_format)
-        hf_config = read_hf_config(model_path, self.load_format)
-        runner, convert = resolve_runner(hf_config, self.runner, self.convert)
-        pooler_config = (resolve_pooler_config(model_path, hf_config, convert,
-                                               _as_pooler_config(self.pooler_config))
-                         if runner == "pooling" else None)
-        max_model_len = self.max_model_len or (
-            pooling_max_model_len(model_path, hf_config) if pooler_config
-            else hf_config.get("max_position_embeddings", 2048))
-        default_tokens = 2048 if jax.default_backend() == "gpu" else 512
-        max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens,
-                                                                    self.max_num_seqs)
+        model_config, pooler_config = self._model_config()
         speculative = self._speculative_config()
+        default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         config = EngineConfig(
-            model_config=ModelConfig(
-                model=model_path, hf_config=hf_config, max_model_len=max_model_len,
-                dtype=self.dtype, seed=self.seed, tokenizer=self.tokenizer,
-                served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
-                runner=runner, convert=convert, quantization=self.quantization),
+            model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -93,8 +79,10 @@ class EngineArgs:
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 kv_cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len),
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=(self.max_num_batched_tokens
+                                        or max(default_tokens, self.max_num_seqs)),
+                max_model_len=model_config.max_model_len),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
@@ -112,6 +100,23 @@ class EngineArgs:
             pooler_config=pooler_config, speculative_config=speculative)
         _check_quantization(config)
         return config
+
+    def _model_config(self) -> tuple[ModelConfig, PoolerConfig | None]:
+        """The resolved model, its runner and, for a pooling model, its pooler."""
+        model_path = resolve_model_path(self.model, self.load_format)
+        hf_config = read_hf_config(model_path, self.load_format)
+        runner, convert = resolve_runner(hf_config, self.runner, self.convert)
+        pooler_config = (resolve_pooler_config(model_path, hf_config, convert,
+                                               _as_pooler_config(self.pooler_config))
+                         if runner == "pooling" else None)
+        max_model_len = self.max_model_len or (
+            pooling_max_model_len(model_path, hf_config) if pooler_config
+            else hf_config.get("max_position_embeddings", 2048))
+        return ModelConfig(
+            model=model_path, hf_config=hf_config, max_model_len=max_model_len,
+            dtype=self.dtype, seed=self.seed, tokenizer=self.tokenizer,
+            served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
+            runner=runner, convert=convert, quantization=self.quantization), pooler_config
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:
