@@ -87,10 +87,23 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
               on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False) -> Starlette:
     """The app. When the engine thread dies, `on_engine_dead()` runs (default: the process
     stops with a non-zero status, as vLLM's, so that a supervisor restarts it)."""
-    completions, chat = CompletionServing(serving), ChatServing(serving)
 
     async def body(request: Request, request_type):
+        """The request's body, bounded and decoded into request_type."""
         return decode_request(await _read_body(request, max_request_body_bytes), request_type)
+
+    routes = [*_generation_routes(serving, body),
+              *_info_routes(serving, enable_tokenizer_info_endpoint),
+              *pooling_routes(serving, body, _until_disconnect)]
+    app = Starlette(routes=routes, lifespan=_watchdog(serving, on_engine_dead or _exit_non_zero),
+                    exception_handlers=_EXCEPTION_HANDLERS)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _generation_routes(serving: OpenAIServing, body) -> list[Route]:
+    completions, chat = CompletionServing(serving), ChatServing(serving)
 
     async def create_completion(request: Request) -> Response:
         require_generative(serving, "/v1/completions")
@@ -103,12 +116,28 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
         return await _until_disconnect(request, chat.create(chat_request))
 
     async def tokenize(request: Request) -> Response:
-        tokenize_request = await body(request, TokenizeRequest)
-        return _json(await _tokenize(serving, tokenize_request))
+        return _json(await _tokenize(serving, await body(request, TokenizeRequest)))
 
     async def detokenize(request: Request) -> Response:
         return _json(await _detokenize(serving, await body(request, DetokenizeRequest)))
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's: 200 once every cached prefix is forgotten, 409 while requests hold KV."""
+        if request.query_params.get("reset_running_requests", "false").lower() != "false":
+            raise OpenAIError("reset_running_requests is not supported.",
+                              param="reset_running_requests")
+        if not await serving.engine.reset_prefix_cache():
+            raise OpenAIError("Prefix cache reset failed.", HTTPStatus.CONFLICT)
+        return Response(status_code=200)
+
+    return [Route("/v1/completions", create_completion, methods=["POST"]),
+            Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])]
+
+
+def _info_routes(serving: OpenAIServing, tokenizer_info_endpoint: bool) -> list[Route]:
     async def models(request: Request) -> Response:
         return _json(serving.models())
 
@@ -127,35 +156,13 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
     async def metrics(request: Request) -> Response:
         return serving.metrics.render(serving.engine.get_stats())
 
-    async def reset_prefix_cache(request: Request) -> Response:
-        """vLLM's: 200 once every cached prefix is forgotten, 409 while requests hold KV."""
-        if request.query_params.get("reset_running_requests", "false").lower() != "false":
-            raise OpenAIError("reset_running_requests is not supported.",
-                              param="reset_running_requests")
-        if not await serving.engine.reset_prefix_cache():
-            raise OpenAIError("Prefix cache reset failed.", HTTPStatus.CONFLICT)
-        return Response(status_code=200)
-
-    routes = [
-        Route("/v1/completions", create_completion, methods=["POST"]),
-        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
-        *([Route("/tokenizer_info", tokenizer_info, methods=["GET"])]
-          if enable_tokenizer_info_endpoint else []),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/version", get_version, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        *pooling_routes(serving, body, _until_disconnect),
-    ]
-    app = Starlette(routes=routes, lifespan=_watchdog(serving, on_engine_dead or _exit_non_zero),
-                    exception_handlers=_EXCEPTION_HANDLERS)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    return app
+    return [Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+            *([Route("/tokenizer_info", tokenizer_info, methods=["GET"])]
+              if tokenizer_info_endpoint else []),
+            Route("/health", health, methods=["GET"]),
+            Route("/version", get_version, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"])]
 
 
 async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
