@@ -134,47 +134,66 @@ async def benchmark(base_url: str, endpoint: str, model: str, requests: list[Sam
             ignore_eos, headers)
         if not test.success:
             raise ValueError(f"Initial test run failed - {test.error}")
-        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        bar = tqdm(total=len(requests), disable=not use_tqdm)
-
-        multi_turn = requests[0].conversation is not None
-
-        async def limited(request: SampleRequest) -> RequestResult:
-            if semaphore is None:
-                result = await send_request(client, url, model, request, ignore_eos, headers,
-                                            multi_turn)
-            else:
-                async with semaphore:
-                    result = await send_request(client, url, model, request, ignore_eos,
-                                                headers, multi_turn)
-            bar.update(1)
-            return result
-
-        async def converse(turns: list[SampleRequest]) -> list[RequestResult]:
-            """A conversation's turns one after the other, each resending it so far."""
-            history, results = ConversationHistory(), []
-            for turn in turns:
-                prompt = history.prompt(turn)
-                results.append(await limited(SampleRequest(prompt, len(prompt),
-                                                           turn.expected_output_len)))
-                history.record(turn, prompt, results[-1].token_ids)
-            return results
-
+        sender = _Sender(client, url, model, ignore_eos, headers, max_concurrency,
+                         requests[0].conversation is not None,
+                         tqdm(total=len(requests), disable=not use_tqdm))
         start = time.perf_counter()
-        if multi_turn:  # conversations arrive at the request rate
-            tasks = [asyncio.create_task(converse(turns)) async for turns in arrivals(
-                conversations(requests), request_rate, burstiness, seed)]
-            results = [r for turns in await asyncio.gather(*tasks) for r in turns]
-        else:
-            tasks = [asyncio.create_task(limited(r))
-                     async for r in arrivals(requests, request_rate, burstiness, seed)]
-            results = await asyncio.gather(*tasks)
+        results = await sender.send_all(requests, request_rate, burstiness, seed)
         duration = time.perf_counter() - start
-        bar.close()
+        sender.bar.close()
     metrics = calculate_metrics(results, duration, tokenizer, percentiles)
     return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai",
             "model_id": model, "num_prompts": len(requests), "request_rate": request_rate,
             "burstiness": burstiness, "max_concurrency": max_concurrency, **metrics}
+
+
+@dataclass
+class _Sender:
+    """Sends the benchmark's requests at their arrival times, at most max_concurrency at once."""
+    client: httpx.AsyncClient
+    url: str
+    model: str
+    ignore_eos: bool
+    headers: dict
+    max_concurrency: int | None
+    multi_turn: bool
+    bar: tqdm
+
+    def __post_init__(self) -> None:
+        self.semaphore = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
+
+    async def send_all(self, requests: list[SampleRequest], request_rate: float,
+                       burstiness: float, seed: int) -> list[RequestResult]:
+        if self.multi_turn:  # conversations arrive at the request rate
+            tasks = [asyncio.create_task(self.converse(turns)) async for turns in arrivals(
+                conversations(requests), request_rate, burstiness, seed)]
+            return [r for turns in await asyncio.gather(*tasks) for r in turns]
+        tasks = [asyncio.create_task(self.send(r))
+                 async for r in arrivals(requests, request_rate, burstiness, seed)]
+        return list(await asyncio.gather(*tasks))
+
+    async def send(self, request: SampleRequest) -> RequestResult:
+        if self.semaphore is None:
+            result = await self._send(request)
+        else:
+            async with self.semaphore:
+                result = await self._send(request)
+        self.bar.update(1)
+        return result
+
+    def _send(self, request: SampleRequest):
+        return send_request(self.client, self.url, self.model, request, self.ignore_eos,
+                            self.headers, self.multi_turn)
+
+    async def converse(self, turns: list[SampleRequest]) -> list[RequestResult]:
+        """A conversation's turns one after the other, each resending it so far."""
+        history, results = ConversationHistory(), []
+        for turn in turns:
+            prompt = history.prompt(turn)
+            results.append(await self.send(SampleRequest(prompt, len(prompt),
+                                                         turn.expected_output_len)))
+            history.record(turn, prompt, results[-1].token_ids)
+        return results
 
 
 def _output_len(result: RequestResult, tokenizer) -> int:
