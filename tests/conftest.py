@@ -146,3 +146,14 @@ def lower_for_h200(fn, *args):
             return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         lowering.lower_jaxpr_to_triton_module = lower_module
+
+
+class CompileCounter:
+    """A jax.monitoring listener counting backend compilations (no compilation after warm-up)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1

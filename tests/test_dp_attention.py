@@ -100,7 +100,7 @@ def _child_main(moe_dir: str) -> None:
     from jaxllm import LLM
     from jaxllm.engine.args import EngineArgs
     from jaxllm.engine.builder import make_engine
-    from test_engine import CompileCounter
+    from conftest import CompileCounter
 
     assert len(jax.devices()) == NUM_DEVICES, jax.devices()
     prompts, params = _requests()

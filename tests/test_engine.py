@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import CompileCounter
 from jaxllm import LLM, SamplingParams
 from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID
 
@@ -122,14 +123,6 @@ def test_greedy_matches_hf_with_chunked_prefill(async_scheduling, tiny_model_dir
     placeholders.check(llm)
     assert_all_blocks_free(llm)
 
-
-class CompileCounter:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
 
 
 def plain_params(rng: random.Random) -> SamplingParams:

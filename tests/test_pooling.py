@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY_CONFIGS, _randomize
+from conftest import TINY_CONFIGS, CompileCounter, _randomize
 from jaxllm import LLM
 from jaxllm.pooling_params import PoolingParams
 
@@ -67,14 +67,6 @@ def test_minilm_embed_equals_sentence_transformers(minilm, st_reference):
     assert cosines(ours, reference).min() >= 0.99999, cosines(ours, reference)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=-1), 1.0, atol=1e-5)
 
-
-class CompileCounter:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
 
 
 def test_no_compilation_after_warmup(minilm):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from conftest import CompileCounter
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxllm.core.request import Request
@@ -351,14 +352,6 @@ def test_stop_strings_inside_an_accepted_run(llm_pair):
     assert max(dropped) > 0, "no stop string fell inside an accepted run"
     assert_all_blocks_free(llm_pair[True])
 
-
-class CompileCounter:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
 
 
 def test_no_compilation_after_warmup(tiny_llama_dir):
