@@ -118,3 +118,18 @@ def test_the_queue_limit_counts_sequences():
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
     engine.shutdown()
+
+
+def test_an_add_that_kills_the_loop_fails_its_own_waiter():
+    """The request being added when the loop dies is off the inbox already: it must hear of the
+    death too, not wait forever."""
+    core = ScriptedCore()
+    core.add_request = lambda *args, **kwargs: 1 / 0
+    engine = AsyncLLM(core)
+
+    async def scenario() -> None:
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "fatal")
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert not engine.is_healthy

@@ -213,6 +213,9 @@ class AsyncLLM:
         except ValueError as error:
             command.accepted.set_exception(error)
             return
+        except BaseException:  # the loop dies: this waiter, already taken off the inbox, hears it
+            command.accepted.set_exception(EngineDeadError(_DEAD))
+            raise
         self._streams[command.request_id] = command.stream
         command.accepted.set_result(None)
 
