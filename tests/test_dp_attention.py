@@ -51,7 +51,7 @@ def _record_rank_loads(engine) -> list[list[int]]:
     loads, launch = [], engine.runner.launch
 
     def recording_launch(scheduler_output):
-        loads.append([len(out.scheduled) for out in scheduler_output.ranks])
+        loads.append([out.num_reqs for out in scheduler_output.ranks])
         return launch(scheduler_output)
 
     engine.runner.launch = recording_launch
