@@ -73,6 +73,18 @@ class RemoteServer:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "EMPTY",
                                   max_retries=0, timeout=120, **kwargs)
 
+    def wait_idle(self, timeout: float = 30.0, kv_free: bool = True) -> dict[str, float]:
+        """Waits until nothing runs or waits (and, with kv_free, no KV block is held); returns
+        the metrics then, or fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            metrics = self.metrics()
+            if (metrics["jaxllm:num_requests_running"] == metrics["jaxllm:num_requests_waiting"]
+                    == 0 and (not kv_free or metrics["jaxllm:kv_cache_usage_perc"] == 0)):
+                return metrics
+            time.sleep(0.1)
+        raise AssertionError(f"server not idle after {timeout} s: {self.metrics()}")
+
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: `jaxllm:name` (or `name_bucket{le}`) -> value."""
         text = httpx.get(self.url + "/metrics", timeout=10).text

@@ -44,17 +44,6 @@ def client(server):
     return server.client()
 
 
-def wait_idle(server: RemoteServer, timeout: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        metrics = server.metrics()
-        if (metrics["jaxllm:num_requests_running"] == 0
-                and metrics["jaxllm:num_requests_waiting"] == 0
-                and metrics["jaxllm:kv_cache_usage_perc"] == 0):
-            return metrics
-        time.sleep(0.1)
-    raise AssertionError(f"server not idle after {timeout} s: {server.metrics()}")
-
 
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -169,14 +158,14 @@ def test_64_concurrent_streams_match_offline_greedy(server, tiny_llama_dir):
             asyncio.gather(*(stream_one(client, p) for p in prompts)), timeout=300)
 
     assert asyncio.run(run_all()) == offline
-    metrics = wait_idle(server)
+    metrics = server.wait_idle(20.0)
     assert metrics["jaxllm:e2e_request_latency_seconds_count"] >= 64
     assert metrics["jaxllm:time_to_first_token_seconds_count"] >= 64
     assert metrics["jaxllm:generation_tokens_total"] >= 64 * max_tokens
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
-    idle = wait_idle(server)
+    idle = server.wait_idle(20.0)
     body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 110,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
@@ -190,7 +179,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert busy["jaxllm:num_requests_running"] == 1
     assert busy["jaxllm:kv_cache_usage_perc"] > 0
     assert busy["jaxllm:num_free_blocks"] < idle["jaxllm:num_free_blocks"]
-    freed = wait_idle(server, timeout=10)
+    freed = server.wait_idle(10)
     assert freed["jaxllm:num_free_blocks"] == idle["jaxllm:num_free_blocks"]
     # ... because the engine aborted the request (an abort after the end is not counted).
     aborted = "jaxllm:num_requests_aborted_total"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import pytest
@@ -33,16 +32,6 @@ def server(tmp_path_factory):
     remote.close()
 
 
-def wait_idle(server: RemoteServer, timeout: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        metrics = server.metrics()
-        if (metrics["jaxllm:num_requests_running"] == metrics["jaxllm:num_requests_waiting"] == 0
-                and metrics["jaxllm:kv_cache_usage_perc"] == 0):
-            return metrics
-        time.sleep(0.2)
-    raise AssertionError(f"server not idle after {timeout} s: {server.metrics()}")
-
 
 def impatient_body(rng: random.Random) -> tuple[str, dict]:
     """A completion or chat, streamed or not, with a prompt long enough to need prefill steps."""
@@ -68,7 +57,7 @@ async def give_up(http: httpx.AsyncClient, path: str, body: dict, patience: floa
 
 
 def test_clients_that_give_up_during_a_long_prefill_leave_the_engine_healthy(server):
-    idle = wait_idle(server)
+    idle = server.wait_idle(60.0)
     rng = random.Random(0)
     long_prompt = " ".join(rng.choice(_WORDS) for _ in range(560))
     num_tokens = httpx.post(server.url + "/tokenize", json={"prompt": long_prompt}).json()["count"]
@@ -97,7 +86,7 @@ def test_clients_that_give_up_during_a_long_prefill_leave_the_engine_healthy(ser
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3},
                     timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-    freed = wait_idle(server)
+    freed = server.wait_idle(60.0)
     assert freed["jaxllm:num_free_blocks"] == idle["jaxllm:num_free_blocks"]
     assert server.proc.poll() is None
 

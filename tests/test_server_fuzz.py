@@ -102,15 +102,6 @@ def server(tiny_llama_dir, tmp_path_factory):
     remote.close()
 
 
-def wait_idle(server: RemoteServer, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        metrics = server.metrics()
-        if metrics["jaxllm:num_requests_running"] == metrics["jaxllm:num_requests_waiting"] == 0:
-            return metrics
-        time.sleep(0.1)
-    raise AssertionError(f"server not idle after {timeout} s: {server.metrics()}")
-
 
 def post(http: httpx.Client, endpoint: str, body: bytes) -> tuple[int, str]:
     """Status and whole body (a stream is read to its end); a hang fails the test."""
@@ -123,7 +114,7 @@ def post(http: httpx.Client, endpoint: str, body: bytes) -> tuple[int, str]:
 
 
 def test_malformed_bodies_get_4xx_and_server_keeps_serving(server):
-    idle = wait_idle(server)
+    idle = server.wait_idle(30.0, kv_free=False)
     statuses: collections.Counter = collections.Counter()
     with httpx.Client(base_url=server.url, timeout=HANG_S) as http:
 
@@ -146,7 +137,7 @@ def test_malformed_bodies_get_4xx_and_server_keeps_serving(server):
         assert statuses[400] > sum(statuses.values()) // 2  # the suite mostly probes bad input
         ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
-    freed = wait_idle(server)
+    freed = server.wait_idle(30.0, kv_free=False)
     assert freed["jaxllm:num_free_blocks"] == idle["jaxllm:num_free_blocks"]
     assert freed["jaxllm:kv_cache_usage_perc"] == 0
     print(f"after: {freed['jaxllm:num_free_blocks']:.0f} of {idle['jaxllm:num_free_blocks']:.0f} "
@@ -155,7 +146,7 @@ def test_malformed_bodies_get_4xx_and_server_keeps_serving(server):
 
 
 def test_queue_full_gets_503_and_abort_frees_waiting_requests(server):
-    idle = wait_idle(server)
+    idle = server.wait_idle(30.0, kv_free=False)
     # 16 sequences on 2 slots: 14 wait, past --max-queue-len 2, for several seconds.
     big = {"prompt": "hello", "n": 16, "max_tokens": 50, "ignore_eos": True, "stream": True}
 
@@ -171,7 +162,7 @@ def test_queue_full_gets_503_and_abort_frees_waiting_requests(server):
             # leaving the stream disconnects: all 16 sequences, waiting ones included, abort
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
-    freed = wait_idle(server, timeout=10)
+    freed = server.wait_idle(10, kv_free=False)
     assert freed["jaxllm:num_free_blocks"] == idle["jaxllm:num_free_blocks"]
     assert (freed["jaxllm:num_requests_aborted_total"]
             == idle["jaxllm:num_requests_aborted_total"] + 1)
@@ -180,13 +171,13 @@ def test_queue_full_gets_503_and_abort_frees_waiting_requests(server):
 
 
 def test_non_streaming_client_that_leaves_aborts_its_request(server):
-    idle = wait_idle(server)
+    idle = server.wait_idle(30.0, kv_free=False)
     # ~3800 steps on 2 slots: seconds even on a fast machine, far past the 0.5 s read timeout
     body = {"prompt": "hello", "n": 128, "max_tokens": 60, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body,
                    timeout=httpx.Timeout(60, read=0.5))
-    freed = wait_idle(server, timeout=10)
+    freed = server.wait_idle(10, kv_free=False)
     assert freed["jaxllm:num_free_blocks"] == idle["jaxllm:num_free_blocks"]
     assert (freed["jaxllm:num_requests_aborted_total"]
             == idle["jaxllm:num_requests_aborted_total"] + 1)
