@@ -213,7 +213,8 @@ class AsyncLLM:
         except ValueError as error:
             command.accepted.set_exception(error)
             return
-        except BaseException:  # the loop dies: this waiter, already taken off the inbox, hears it
+        except BaseException as error:  # the loop dies: this waiter, off the inbox, hears it
+            self._error = error  # first, so that whoever hears of the death sees it unhealthy
             command.accepted.set_exception(EngineDeadError(_DEAD))
             raise
         self._streams[command.request_id] = command.stream
