@@ -34,6 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # prefill, say) round differently, and random weights make near ties common. The kernels'
 # numerics are checked against fp32 references by pallas_kernels.bench; this checks start-up.
 TIE = {"float32": 0.01, "float16": 0.1, "bfloat16": 0.3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
 
 
 @dataclass(frozen=True)
@@ -49,16 +51,23 @@ class Case:
     max_num_batched_tokens: int | None = 512
     enforce_eager: bool = False  # the CPU matrix checks this script, not the warm-up
     expect_error: bool = False
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    speculative: bool = False  # n-gram speculation: its greedy tokens equal the plain ones'
 
     @property
     def name(self) -> str:
+        features = "".join([f" kv-{self.kv_cache_dtype}" * (self.kv_cache_dtype != "auto"),
+                            f" q-{self.quantization}" * (self.quantization is not None),
+                            " ngram" * self.speculative])
         return (f"{self.model} {self.dtype} len{self.max_model_len} bs{self.block_size} "
-                f"seqs{self.max_num_seqs} {self.backend} tp{self.tp}")
+                f"seqs{self.max_num_seqs} {self.backend} tp{self.tp}{features}")
 
     @property
     def group(self) -> tuple:
         """Cases whose greedy tokens must agree."""
-        return (self.model, self.dtype, self.max_model_len, self.block_size)
+        return (self.model, self.dtype, self.max_model_len, self.block_size,
+                self.kv_cache_dtype, self.quantization)
 
 
 def gpu_matrix(num_gpus: int) -> list[Case]:
@@ -68,6 +77,13 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     cases += [Case(tiny, "float16", 777, 32, 2, backend) for backend in ("pallas", "mosaic", "xla")]
     cases += [Case(tiny, "float32", 8192, 64, 8, backend) for backend in ("pallas", "triton", "xla")]
     cases += [Case(tiny, "bfloat16", 8192, 64, 8, backend) for backend in ("mosaic", "triton")]
+    # the features that change the step: FP8 pages (Triton reads them), FP8 weights, speculation
+    cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, kv_cache_dtype="fp8")
+              for backend in ("pallas", "triton", "xla")]
+    cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, quantization="fp8")
+              for backend in ("pallas", "xla")]
+    cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
+              for seqs in (1, 256)]
     # the 8B shape: the sizes reported to crash in warm-up, and the default
     big = dict(model="llama-3.1-8b", dtype="bfloat16", max_model_len=2048, block_size=16,
                utilization=0.3, max_num_batched_tokens=None)
@@ -86,6 +102,8 @@ def cpu_matrix() -> list[Case]:
                  backend="xla", **small),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
                  backend="xla", **small),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
+                 backend="xla", speculative=True, **small),
             # the Mosaic kernel has no CPU lowering: a case that fails must not end the matrix
             Case(dtype="bfloat16", max_model_len=777, block_size=16, max_num_seqs=2,
                  backend="mosaic", expect_error=True, **small)]
@@ -106,7 +124,9 @@ def run_case(case: Case) -> dict:
               max_model_len=case.max_model_len, block_size=case.block_size,
               max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
               attention_backend=case.backend, tensor_parallel_size=case.tp,
-              gpu_memory_utilization=case.utilization, enforce_eager=case.enforce_eager)
+              gpu_memory_utilization=case.utilization, enforce_eager=case.enforce_eager,
+              kv_cache_dtype=case.kv_cache_dtype, quantization=case.quantization,
+              speculative_config=NGRAM if case.speculative else None)
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts_for(case)], params,
@@ -186,8 +206,7 @@ def judge(rows: list[dict]) -> None:
     """Sets each row's verdict: started, finite logprobs, and greedy agreement in its group."""
     by_group: dict[tuple, list[dict]] = {}
     for row in rows:
-        by_group.setdefault((row["model"], row["dtype"], row["max_model_len"],
-                             row["block_size"]), []).append(row)
+        by_group.setdefault(_group(row), []).append(row)
     for row in rows:
         if "tokens" not in row:
             row["verdict"] = "expected error" if row["expect_error"] else "FAIL: " + row["error"]
@@ -196,12 +215,15 @@ def judge(rows: list[dict]) -> None:
             row["verdict"] = "FAIL: started, but an error was expected"
             continue
         finite = all(math.isfinite(x) for seq in row["top_logprobs"] for step in seq for x in step)
-        peers = [p for p in by_group[(row["model"], row["dtype"], row["max_model_len"],
-                                      row["block_size"])] if "tokens" in p and p is not row]
+        peers = [p for p in by_group[_group(row)] if "tokens" in p and p is not row]
         parted = [p["case"] for p in peers if not _agree(row, p)]
         row["verdict"] = ("FAIL: non-finite logprobs" if not finite
                           else f"FAIL: tokens differ from {parted}" if parted
                           else f"ok ({len(peers)} peers agree)")
+
+
+def _group(row: dict) -> tuple:
+    return Case(**{k: row[k] for k in Case.__dataclass_fields__}).group
 
 
 def _agree(a: dict, b: dict) -> bool:
@@ -250,7 +272,7 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="the reduced CPU matrix")
     parser.add_argument("--jobs", type=int, default=4, help="cases run side by side at most")
     parser.add_argument("--timeout", type=float, default=300.0, help="per case, seconds")
-    parser.add_argument("--only", help="run the cases whose name contains this text")
+    parser.add_argument("--only", help="run the cases whose name matches this regex")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -259,7 +281,7 @@ def main() -> int:
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
     cases = cpu_matrix() if args.cpu else gpu_matrix(_num_gpus())
-    cases = [case for case in cases if args.only is None or args.only in case.name]
+    cases = [case for case in cases if args.only is None or re.search(args.only, case.name)]
     start = time.perf_counter()
     rows = run_matrix(cases, args.out, 1 if args.cpu else args.jobs, args.timeout)
     judge(rows)
