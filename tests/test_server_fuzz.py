@@ -134,7 +134,10 @@ def test_malformed_bodies_get_4xx_and_server_keeps_serving(server):
         check()
         print(f"\nfuzz ({FUZZ_PROFILE}): {sum(statuses.values())} bodies in "
               f"{time.monotonic() - start:.0f} s, statuses {dict(sorted(statuses.items()))}")
-        assert statuses[400] > sum(statuses.values()) // 2  # the suite mostly probes bad input
+        # the bodies probe both sides: many refused, many served (the mix varies with the order
+        # hypothesis draws in, which depends on what ran before in the process)
+        total = sum(statuses.values())
+        assert statuses[400] >= total // 3 and statuses[200] >= total // 10, statuses
         ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     freed = server.wait_idle(30.0, kv_free=False)
