@@ -94,7 +94,7 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_m, block_n):
             w = ((q - zero[None, :]) * scale[None, :]).astype(x_ref.dtype)  # [16, BN]
             xs = pltriton.load(x_ref.at[rows[:, None], k0 + slice_rows[None, :]],
                                mask=row_ok[:, None], other=0)  # [BM, 16]
-            acc += pltriton.dot(xs, w)
+            acc += pltriton.dot(xs, w, allow_tf32=False)  # fp32 models get fp32, as the reference
         return acc
 
     acc = jax.lax.fori_loop(0, k_total // CHUNK_ROWS, chunk,
