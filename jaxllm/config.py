@@ -267,10 +267,36 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+# vLLM's choices for --max-lora-rank
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora and its knobs): max_loras device slots of rank
+    max_lora_rank (slot 0 of the stacks is "no adapter"), and up to max_cpu_loras adapters kept
+    in host memory."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras ({self.max_loras}) must be at least 1.")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank ({self.max_lora_rank}) must be one of "
+                             f"{list(LORA_RANKS)}.")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every concern's config, built and validated once before loading and passed down (vLLM's
-    VllmConfig); LoRA's joins here when it lands."""
+    VllmConfig)."""
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
@@ -279,3 +305,4 @@ class EngineConfig:
     runner_config: RunnerConfig
     pooler_config: PoolerConfig | None = None  # set exactly when model_config.runner is pooling
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # set exactly when LoRA is enabled

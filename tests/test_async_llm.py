@@ -32,7 +32,7 @@ class ScriptedCore:
         return {"num_waiting": 0}
 
     def add_request(self, request_id, prompt_token_ids, sampling_params, prompt=None,
-                    cache_salt=None) -> None:
+                    cache_salt=None, lora_request=None) -> None:
         self.added.append(request_id)
         self.pending.append(request_id)
 

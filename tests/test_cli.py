@@ -104,7 +104,8 @@ def test_served_model_name_keeps_the_positional_model():
 
 
 @pytest.mark.parametrize("line, flag", [
-    ("--enable-lora", "--enable-lora"), ("--calculate-kv-scales", "--calculate-kv-scales"),
+    ("--fully-sharded-loras", "--fully-sharded-loras"),
+    ("--calculate-kv-scales", "--calculate-kv-scales"),
     ("--tool-call-parser hermes", "--tool-call-parser"),
     ("--enable-auto-tool-choice", "--enable-auto-tool-choice"),
     ("--kv-transfer-config {}", "--kv-transfer-config"),
@@ -170,9 +171,10 @@ def test_metrics_prefix_choices(capsys):
 
 def test_jaxllm_command_refuses_before_loading_anything(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "m", "--enable-lora"])
+        main(["serve", "m", "--fully-sharded-loras"])
     assert exit_info.value.code == 2
-    assert "jaxllm serve: error: jaxllm does not support --enable-lora" in capsys.readouterr().err
+    assert ("jaxllm serve: error: jaxllm does not support --fully-sharded-loras"
+            in capsys.readouterr().err)
 
 
 def test_quantization_flags_reach_engine_args():

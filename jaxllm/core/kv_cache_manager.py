@@ -60,7 +60,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for start in range(len(hashes) * size, len(tokens) - size + 1, size):
             parent = hashes[-1] if hashes else self.none_hash
-            extra = block_extra_keys(request.cache_salt, request.share_group, start // size)
+            extra = block_extra_keys(request.cache_salt, request.share_group, request.lora_key,
+                                     start // size)
             hashes.append(hash_block_tokens(self.hash_fn, parent, tokens[start:start + size],
                                             extra))
         return hashes

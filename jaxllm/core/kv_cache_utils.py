@@ -46,11 +46,11 @@ def hash_block_tokens(hash_fn: Callable[[bytes], bytes], parent_hash: BlockHash,
                    + repr(extra_keys).encode())
 
 
-def block_extra_keys(cache_salt: str | None, share_group: int | None,
+def block_extra_keys(cache_salt: str | None, share_group: int | None, lora_key: tuple,
                      block_index: int) -> tuple:
     """What besides the tokens decides a block's KV. The salt (and, with caching off, the n > 1
-    group that shares a prompt) goes into the first block only: the chain carries it on. A LoRA
-    adapter id would join every block's keys here."""
-    if block_index == 0 and (cache_salt is not None or share_group is not None):
-        return (cache_salt, share_group)
+    group that shares a prompt) and the LoRA adapter go into the first block only: the chain
+    carries them on."""
+    if block_index == 0 and (cache_salt is not None or share_group is not None or lora_key):
+        return (cache_salt, share_group, *lora_key)
     return ()

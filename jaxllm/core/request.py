@@ -32,7 +32,8 @@ _FINISH_REASONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
-                 cache_salt: str | None = None, share_group: int | None = None) -> None:
+                 cache_salt: str | None = None, share_group: int | None = None,
+                 lora_request=None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -53,8 +54,21 @@ class Request:
         # lets the n > 1 children of one request share their prompt with caching off.
         self.cache_salt = cache_salt
         self.share_group = share_group
+        # The LoRA adapter (jaxllm.lora.LoRARequest) or None: read only for its id and path.
+        self.lora_request = lora_request
         self.block_hashes: list[bytes] = []  # of its full blocks of known tokens, in order
         self.num_cached_tokens: int | None = None  # prefix cache hit at its first admission
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def lora_key(self) -> tuple:
+        """What of the adapter decides the KV (its id and files), () for the base model."""
+        lora = self.lora_request
+        return () if lora is None else ("lora", lora.lora_int_id, lora.lora_path)
 
     @property
     def num_prompt_tokens(self) -> int:

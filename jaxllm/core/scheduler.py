@@ -60,6 +60,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # tokens already in the KV cache before this step
+    lora_request: object = None  # its LoRA adapter (jaxllm.lora.LoRARequest), or None
 
 
 @dataclass(slots=True)
@@ -124,12 +125,18 @@ class SchedulerStats:
     prefix_cache_queries_total: int = 0  # tokens of admitted requests looked up
     prefix_cache_hits_total: int = 0  # of those, tokens found cached
     spec_decoding: SpecDecodingStats | None = None  # cumulative, with speculative decoding
+    # With LoRA: the adapters' names among the running and the waiting requests (vLLM's
+    # lora_requests_info)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_gpu_blocks: int,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None,
+                 max_loras: int | None = None) -> None:
+        """max_loras (LoRA enabled): the running requests use at most this many adapters."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -146,6 +153,7 @@ class Scheduler:
         self._grants: dict[int, list[_Grant]] = {}  # step id -> its grants, until its results
         self.num_preemptions_total = 0
         self.speculative_config = speculative_config
+        self.max_loras = max_loras
         self.spec_stats = (SpecDecodingStats(speculative_config.num_speculative_tokens)
                            if speculative_config else None)
 
@@ -249,24 +257,36 @@ class Scheduler:
             req_index += 1
 
     def _schedule_waiting(self, step: "_StepPlan") -> None:
-        """Then waiting requests, first come first served, with their cached prefixes."""
+        """Then waiting requests, first come first served, with their cached prefixes; one whose
+        LoRA adapter would exceed max_loras among the running waits, and later ones go (as
+        vLLM)."""
+        loras = ({r.lora_int_id for r in self.running} - {0}
+                 if self.max_loras is not None and self.waiting else set())
+        skipped: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted with a token in flight: recompute
                 break  # only once that token is known (after update_from_output)
+            lora = request.lora_int_id
+            if lora and lora not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             num_new_tokens = self._admit(request, step.budget)
             if num_new_tokens is None:
                 break
             self.waiting.popleft()
+            if lora:
+                loras.add(lora)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.output_token_ids.copy(),
                 request.sampling_params,
                 list(self.kv_cache_manager.get_block_ids(request.request_id)),
-                request.num_computed_tokens))
+                request.num_computed_tokens, request.lora_request))
             step.grants.append(self._grant(request, num_new_tokens, step.num_scheduled))
             step.budget -= num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
 
     def _admit(self, request: Request, token_budget: int) -> int | None:
         """Gives a waiting request its cached prefix blocks and the blocks of its first grant;
@@ -443,4 +463,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage,
                               self.num_preemptions_total, kv.stats.queries, kv.stats.hits,
-                              self.spec_stats)
+                              self.spec_stats,
+                              *((_lora_names(self.running), _lora_names(self.waiting))
+                                if self.max_loras is not None else ()))
+
+
+def _lora_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request}))

@@ -11,8 +11,8 @@ from dataclasses import dataclass, fields
 import jax
 
 from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadConfig, ModelConfig,
-                           ParallelConfig, PoolerConfig, RunnerConfig, SchedulerConfig,
-                           SpeculativeConfig)
+                           LoRAConfig, ParallelConfig, PoolerConfig, RunnerConfig,
+                           SchedulerConfig, SpeculativeConfig)
 from jaxllm.core.kv_cache_utils import HASH_ALGOS, get_hash_fn
 from jaxllm.engine.pooling_config import (pooling_max_model_len, resolve_pooler_config,
                                           resolve_runner)
@@ -56,6 +56,10 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3
     # vLLM's JSON (a dict offline): {"method": "ngram", "num_speculative_tokens": k, ...}
     speculative_config: dict | str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters a step can mix (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
@@ -97,7 +101,8 @@ class EngineArgs:
                 # speculation: such engines schedule synchronously.
                 async_scheduling=self.async_scheduling and speculative is None,
                 lean_steps=self.lean_steps),
-            pooler_config=pooler_config, speculative_config=speculative)
+            pooler_config=pooler_config, speculative_config=speculative,
+            lora_config=self._lora_config(model_config))
         _check_quantization(config)
         return config
 
@@ -117,6 +122,17 @@ class EngineArgs:
             dtype=self.dtype, seed=self.seed, tokenizer=self.tokenizer,
             served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
             runner=runner, convert=convert, quantization=self.quantization), pooler_config
+
+    def _lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if model_config.runner == "pooling":
+            raise ValueError("LoRA adapters on pooling models are not supported yet.")
+        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
+            raise ValueError("LoRA with tensor_parallel_size > 1 or data_parallel_size > 1 is "
+                             "not supported yet.")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:
@@ -292,9 +308,8 @@ ENGINE_FLAGS_NOT_IMPLEMENTED = (
     "--limit-mm-per-prompt", "--enable-mm-embeds", "--media-io-kwargs", "--mm-processor-kwargs",
     "--mm-processor-cache-gb", "--mm-processor-cache-type", "--mm-shm-cache-max-object-size-mb",
     "--mm-encoder-only", "--mm-encoder-tp-mode", "--mm-encoder-attn-backend",
-    "--interleave-mm-strings", "--skip-mm-profiling", "--video-pruning-rate", "--enable-lora",
-    "--max-loras", "--max-lora-rank", "--lora-dtype", "--enable-tower-connector-lora",
-    "--max-cpu-loras", "--fully-sharded-loras", "--default-mm-loras", "--specialize-active-lora",
+    "--interleave-mm-strings", "--skip-mm-profiling", "--video-pruning-rate", "--lora-dtype",
+    "--enable-tower-connector-lora", "--fully-sharded-loras", "--default-mm-loras", "--specialize-active-lora",
     "--otlp-traces-endpoint", "--collect-detailed-traces", "--kv-cache-metrics",
     "--kv-cache-metrics-sample", "--cudagraph-metrics", "--enable-layerwise-nvtx-tracing",
     "--enable-mfu-metrics", "--enable-logging-iteration-details", "--max-num-partial-prefills",

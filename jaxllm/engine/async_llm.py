@@ -15,6 +15,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Callable
 
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -56,11 +57,16 @@ class _AddCommand:
     # None once added, or the ValueError from add_request; cancelled when the client left first
     accepted: concurrent.futures.Future
     cache_salt: str | None = None
+    lora_request: object = None  # a jaxllm.lora.LoRARequest
 
 
 @dataclass
-class _ResetPrefixCacheCommand:
-    done: concurrent.futures.Future  # result: whether the cache was reset
+class _CallCommand:
+    """An EngineCore method the loop thread runs between steps (prefix cache reset, LoRA
+    adapters in and out)."""
+    method: Callable
+    args: tuple
+    done: concurrent.futures.Future  # its result, or its exception
 
 
 class AsyncLLM:
@@ -72,8 +78,8 @@ class AsyncLLM:
         self.vocab_size: int = engine_core.vocab_size
         self.max_queue_len = max_queue_len
         self._wakeup = threading.Condition()
-        # adds, request ids to abort, prefix cache resets
-        self._inbox: deque[_AddCommand | str | _ResetPrefixCacheCommand] = deque()
+        # adds, request ids to abort, calls
+        self._inbox: deque[_AddCommand | str | _CallCommand] = deque()
         self._streams: dict[str, _Stream] = {}  # owned by the loop thread
         self._num_aborted = 0  # requests aborted while still running (client gone, or abort())
         self._stats: dict = {**engine_core.get_stats(), "num_aborted_total": 0}
@@ -86,7 +92,8 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, prompt: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs until the request finishes.
 
         Validation errors (ValueError) and QueueFullError are raised by the first `__anext__`,
@@ -96,7 +103,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_AddCommand(request_id, list(prompt_token_ids), sampling_params, prompt,
-                                 stream, accepted, cache_salt))
+                                 stream, accepted, cache_salt, lora_request))
         finished = False
         try:
             await asyncio.wrap_future(accepted)
@@ -117,11 +124,21 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """EngineCore.reset_prefix_cache, run by the loop thread between steps."""
+        return await self._call(self.core.reset_prefix_cache)
+
+    async def add_lora(self, lora_request) -> bool:
+        """Loads a LoRA adapter into host memory (EngineCore.add_lora); ValueError if bad."""
+        return await self._call(self.core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call(self.core.remove_lora, lora_int_id)
+
+    async def _call(self, method: Callable, *args):
         done: concurrent.futures.Future = concurrent.futures.Future()
         if self._error is not None:
             raise EngineDeadError(f"The engine loop stopped: {self._error!r}")
         with self._wakeup:
-            self._inbox.append(_ResetPrefixCacheCommand(done))
+            self._inbox.append(_CallCommand(method, args, done))
             self._wakeup.notify()
         return await asyncio.wrap_future(done)
 
@@ -196,8 +213,13 @@ class AsyncLLM:
                 if self._streams.pop(command, None) is not None:
                     self.core.abort_request([command])
                     self._num_aborted += 1
-            elif isinstance(command, _ResetPrefixCacheCommand):
-                command.done.set_result(self.core.reset_prefix_cache())
+            elif isinstance(command, _CallCommand):
+                try:
+                    result = command.method(*command.args)
+                except ValueError as error:  # a bad argument; the engine is fine
+                    command.done.set_exception(error)
+                else:
+                    command.done.set_result(result)
             else:
                 self._add(command)
 
@@ -209,7 +231,8 @@ class AsyncLLM:
         try:
             self.core.add_request(command.request_id, command.prompt_token_ids,
                                   command.sampling_params, prompt=command.prompt,
-                                  cache_salt=command.cache_salt)
+                                  cache_salt=command.cache_salt,
+                                  lora_request=command.lora_request)
         except ValueError as error:
             command.accepted.set_exception(error)
             return
@@ -235,6 +258,6 @@ class AsyncLLM:
                 if (isinstance(command, _AddCommand)
                         and command.accepted.set_running_or_notify_cancel()):
                     command.accepted.set_exception(EngineDeadError(_DEAD))
-                elif isinstance(command, _ResetPrefixCacheCommand):
+                elif isinstance(command, _CallCommand):
                     command.done.set_exception(EngineDeadError(_DEAD))
             self._inbox.clear()

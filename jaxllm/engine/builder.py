@@ -16,9 +16,11 @@ from jaxllm.engine.dp_engine import DPEngine
 from jaxllm.engine.engine_core import EngineCore
 from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
 from jaxllm.engine.pooling_builder import build_pooling_engine
+from jaxllm.lora.host_cache import HostLoRACache
 from jaxllm.models import ModelArgs
 from jaxllm.sharding.mesh import make_mesh
 from jaxllm.worker import kv_cache
+from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("jaxllm")
@@ -64,7 +66,9 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
         f" ({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
         + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else ""))
     runner = _make_runner(config, sharded, dp_size, num_blocks)
-    schedulers = [Scheduler(config.scheduler_config, cache, num_blocks, config.speculative_config)
+    lora = config.lora_config
+    schedulers = [Scheduler(config.scheduler_config, cache, num_blocks, config.speculative_config,
+                            max_loras=lora.max_loras if lora else None)
                   for _ in range(dp_size)]
     loaded = sharded.loaded
     core = EngineCore(config, runner, schedulers, loaded.tokenizer, set(loaded.eos_token_ids),
@@ -104,7 +108,18 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                        max_model_len=config.model_config.max_model_len,
                        max_num_seqs=sched.max_num_seqs,
                        max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
-                       lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config))
+                       lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config),
+                       lora_slots=_lora_slots(config, sharded))
+
+
+def _lora_slots(config: EngineConfig, sharded: ShardedModel) -> LoRASlots | None:
+    """With LoRA: the device slots (in the model's dtype) over a host cache of adapters."""
+    lora = config.lora_config
+    if lora is None:
+        return None
+    host_cache = HostLoRACache(sharded.args, lora.max_lora_rank, lora.max_cpu_loras)
+    return LoRASlots(host_cache, sharded.args, lora.max_loras, lora.max_lora_rank,
+                     sharded.loaded.params["embed"].dtype)
 
 
 def _spec_runner_args(config: EngineConfig) -> dict:

@@ -47,12 +47,12 @@ class DPEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, prompt: str | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request=None) -> None:
         if request_id in self._replica_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         rank = min(range(len(self.replicas)), key=self._load)
         self.replicas[rank].add_request(request_id, prompt_token_ids, sampling_params, prompt,
-                                        cache_salt)
+                                        cache_salt, lora_request)
         self._replica_of[request_id] = rank
 
     def abort_request(self, request_ids) -> None:

@@ -22,6 +22,7 @@ from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.output_processor import OutputProcessor, child_request_id
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sample.metadata import check_min_tokens_stop_ids
 from jaxllm.sampling_params import SamplingParams
@@ -68,9 +69,14 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, prompt: str | None = None,
-                    cache_salt: str | None = None) -> None:
-        """cache_salt: requests share cached KV only with requests of the same salt."""
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """cache_salt: requests share cached KV only with requests of the same salt.
+        lora_request: the adapter to run the request with (loaded into host memory now, so a
+        bad one is refused here)."""
         self._validate(request_id, prompt_token_ids, cache_salt)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         n = sampling_params.n
         # n > 1 children share their prompt's blocks: with caching on as any requests do, with
         # it off through a key of their own.
@@ -86,7 +92,8 @@ class EngineCore:
             params.seed = (int(self._seed_rng.integers(0, 2**31 - 1)) if params.seed is None
                            else (params.seed + index) & 0x7FFFFFFF)
             children.append(Request(child_request_id(request_id, index, n), prompt_token_ids,
-                                    params, cache_salt=cache_salt, share_group=share_group))
+                                    params, cache_salt=cache_salt, share_group=share_group,
+                                    lora_request=lora_request))
         added = []
         try:
             for child in children:
@@ -105,6 +112,31 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         self.input_processor.process(prompt_token_ids)  # the checks LLM and the server ran
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter into host memory (a no-op when there); raises ValueError naming
+        what is wrong with it, or that LoRA is not enabled."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested, but LoRA "
+                             "is not enabled: start the engine with enable_lora=True "
+                             "(--enable-lora).")
+        lora.host_cache.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops an adapter from host memory and its device slot; requests running with it
+        finish with it. False if it was not loaded."""
+        lora = self.runner.lora
+        if lora is None:
+            return False
+        lora.remove(lora_int_id)
+        return lora.host_cache.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        lora = self.runner.lora
+        return set() if lora is None else set(lora.host_cache.ids())
 
     def abort_request(self, request_ids) -> None:
         for request_id in request_ids:
@@ -181,7 +213,15 @@ class EngineCore:
                 "generation_tokens_total": self.generation_tokens_total,
                 "iteration_tokens_counts": list(self.iteration_tokens_counts),
                 "iteration_tokens_sum": self.iteration_tokens_sum,
-                **_spec_decode_stats(stats.spec_decoding)}
+                **_spec_decode_stats(stats.spec_decoding), **self._lora_stats(stats)}
+
+    def _lora_stats(self, stats) -> dict:
+        """vLLM's lora_requests_info labels (absent without LoRA)."""
+        lora = self.config.lora_config
+        if lora is None:
+            return {}
+        return {"lora_max": lora.max_loras, "lora_running": stats.running_lora_adapters,
+                "lora_waiting": stats.waiting_lora_adapters}
 
 
 def _make_proposer(config: EngineConfig) -> NgramProposer | None:

@@ -13,6 +13,7 @@ from jaxllm.engine.builder import make_engine
 from jaxllm.engine.llm_pooling import PoolingAPI
 from jaxllm.engine.pooling_engine import PoolingEngine
 from jaxllm.engine.input_processor import InputProcessor
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -45,7 +46,11 @@ class LLM(PoolingAPI):
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None) per prompt; the engine
+        needs enable_lora=True."""
         if isinstance(self.llm_engine, PoolingEngine):
             raise ValueError("LLM.generate() is only supported for generative models. Try "
                              "passing `--runner generate` to use the model as a generative model.")
@@ -57,14 +62,16 @@ class LLM(PoolingAPI):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"The lengths of prompts ({len(prompts)}) and sampling_params "
                              f"({len(sampling_params)}) must be the same.")
+        lora_requests = _per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params, lora in zip(prompts, sampling_params, lora_requests):
                 processed = self.input_processor.process(prompt)
                 request_id = str(next(self._request_counter))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 self.llm_engine.add_request(request_id, processed.token_ids, params,
-                                            prompt=processed.text, cache_salt=cache_salt)
+                                            prompt=processed.text, cache_salt=cache_salt,
+                                            lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)  # nothing may leak
@@ -74,14 +81,17 @@ class LLM(PoolingAPI):
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
             processed = self.input_processor.from_chat(
                 conversation, add_generation_prompt, chat_template=chat_template)
             prompts.append({"prompt": processed.text, "prompt_token_ids": processed.token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptType]:
@@ -107,3 +117,13 @@ class LLM(PoolingAPI):
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _per_prompt(lora_request, num_prompts: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    lora_request = list(lora_request)
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and lora_request "
+                         f"({len(lora_request)}) must be the same.")
+    return lora_request

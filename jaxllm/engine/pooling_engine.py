@@ -44,9 +44,11 @@ class PoolingEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     pooling_params: PoolingParams, prompt: str | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request=None) -> None:
         """EngineCore's interface; cache_salt changes nothing here: a pooling request keeps no
         KV that another could share."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters on pooling models are not supported yet.")
         if not isinstance(pooling_params, PoolingParams):
             raise ValueError("This model is a pooling model (--runner pooling): it embeds, "
                              "classifies and scores, and cannot generate text.")

@@ -21,3 +21,4 @@ class StepBatch:
     kv_lens: jax.Array  # [S] int32: KV length after this step's tokens are written
     num_seqs: jax.Array  # [1] int32: live sequences (the rest are padding)
     logits_indices: jax.Array  # [S] int32: flat index of each sequence's last scheduled token
+    lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA slot (0: none); None: off

@@ -57,10 +57,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs) -> jax.Array:
-    """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I]."""
+def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None) -> jax.Array:
+    """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I].
+    lora: a models.lora.TokenLoRA, whose updates add onto both projections."""
     gate_up = linear(x, layer["w_gate_up"])
-    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], layer["w_down"])
+    if lora is not None:
+        gate_up = lora.add(gate_up, x, "gate_up")
+    hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    down = linear(hidden, layer["w_down"])
+    return down if lora is None else lora.add(down, hidden, "down")
 
 
 def dense_mlp_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

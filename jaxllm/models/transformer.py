@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxllm.models.args import ModelArgs
 from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" MLPs)
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
+from jaxllm.models.lora import TokenLoRA
 from jaxllm.models.quant import linear
 from jaxllm.models.batch import StepBatch
 from pallas_kernels.kv_write import write_kv_reference
@@ -53,9 +54,11 @@ def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
     return out + layer[b] if b in layer else out
 
 
-def _qkv(layer: dict, h: jax.Array, args: ModelArgs):
+def _qkv(layer: dict, h: jax.Array, args: ModelArgs, lora: TokenLoRA | None):
     """h [T, H] -> q [T, Hq, D], k, v [T, Hkv, D]: one GEMM over the fused wqkv (models/fused.py)."""
     qkv = linear(h, layer["wqkv"])  # [T, Hkv, G + 2, D]
+    if lora is not None:
+        qkv = lora.add(qkv, h, "qkv")
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     group = args.num_heads // args.num_kv_heads
@@ -64,10 +67,11 @@ def _qkv(layer: dict, h: jax.Array, args: ModelArgs):
 
 
 def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBatch, cos, sin,
-                     args: ModelArgs, attn: Callable, write_kv: Callable):
+                     args: ModelArgs, attn: Callable, write_kv: Callable,
+                     lora: TokenLoRA | None):
     num_tokens = x.shape[0]
     h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps)
-    q, k, v = _qkv(layer, h, args)
+    q, k, v = _qkv(layer, h, args, lora)
     if args.qk_norm:
         q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
@@ -75,8 +79,11 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
     out = attn(q, k_cache, v_cache, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
                batch.num_seqs, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window)
-    out = _project(out.reshape(num_tokens, args.q_size), layer, "wo", "bo")
-    return out, k_cache, v_cache
+    out = out.reshape(num_tokens, args.q_size)
+    projected = _project(out, layer, "wo", "bo")
+    if lora is not None:
+        projected = lora.add(projected, out, "o")
+    return projected, k_cache, v_cache
 
 
 def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelArgs,
@@ -86,17 +93,23 @@ def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelAr
     return_hidden also the final-normed hidden states of every token [T, H] (prompt logprobs).
     params in the compute layout (`fuse_params`).
 
-    Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32.
+    Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32. With LoRA,
+    params["lora"] holds every layer's adapter stacks (models/lora.py) and batch.lora_slots
+    each token's slot.
     """
     mlp = MLPS[args.mlp_kind][0]
     x = params["embed"][batch.token_ids]  # [T, H]
     cos, sin = rope_cos_sin(batch.positions, args)
     new_caches = []
-    for layer, (k_cache, v_cache) in zip(params["layers"], kv_caches, strict=True):
+    loras = params.get("lora") or [None] * args.num_layers
+    mlp_lora = args.mlp_kind == "dense"  # experts take no adapters (models/lora.py)
+    for layer, (k_cache, v_cache), stacks in zip(params["layers"], kv_caches, loras, strict=True):
+        lora = None if stacks is None else TokenLoRA(stacks, batch.lora_slots)
         out, k_cache, v_cache = _attention_block(layer, x, k_cache, v_cache, batch, cos, sin,
-                                                 args, attn, write_kv)
+                                                 args, attn, write_kv, lora)
         x = x + out
-        x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args)
+        h = rms_norm(x, layer["mlp_norm"], args.rms_norm_eps)
+        x = x + (mlp(layer, h, args, lora=lora) if lora and mlp_lora else mlp(layer, h, args))
         new_caches.append((k_cache, v_cache))
     if return_hidden:
         hidden = rms_norm(x, params["final_norm"], args.rms_norm_eps)  # [T, H]

@@ -37,6 +37,7 @@ from jaxllm.sample.sampler import SamplerStages
 from jaxllm.worker import step as step_fn
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.draft_rows import DraftRowBuilder
+from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.packing import pack
 from jaxllm.worker.request_states import RequestStates, ScheduledChunk
 from jaxllm.worker.step import HistoryInputs, StepInputs, StepModel, StepOutput, StepState
@@ -118,7 +119,7 @@ class ModelRunner:
     def __init__(self, model_fn: Callable, params, kv_caches, *, vocab_size: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dp_size: int = 1, lean_steps: bool | None = None, num_spec_tokens: int = 0,
-                 max_spec_seqs: int = 0) -> None:
+                 max_spec_seqs: int = 0, lora_slots: LoRASlots | None = None) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
@@ -131,8 +132,12 @@ class ModelRunner:
         cond (COND), which is free on a CPU.
 
         num_spec_tokens > 0 (speculative decoding, one DP rank): steps verify up to that many
-        draft tokens for up to max_spec_seqs sequences (worker/draft_rows.py)."""
-        self.params = params
+        draft tokens for up to max_spec_seqs sequences (worker/draft_rows.py).
+
+        lora_slots (LoRA enabled, one DP rank): each token reads its request's adapter slot;
+        the stacks ride in params["lora"]."""
+        self.lora = lora_slots
+        self.params = params if lora_slots is None else {**params, "lora": lora_slots.stacks}
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.dp_size = dp_size
@@ -213,11 +218,28 @@ class ModelRunner:
         rank_outputs = (scheduler_output.ranks if isinstance(scheduler_output, DPSchedulerOutput)
                         else [scheduler_output])
         rank_chunks = [self.requests.apply(out) for out in rank_outputs]
+        if self.lora is not None:
+            self._assign_lora_slots(scheduler_output)
         self._record_histories([c for chunks in rank_chunks for c in chunks])
         num_tokens_padded, num_seqs_padded = self.bucket_for(
             max(out.total_num_scheduled_tokens for out in rank_outputs))
         inputs, placement = self._build_inputs(rank_chunks, num_tokens_padded, num_seqs_padded)
         return LaunchedStep(*placement, *self._dispatch(inputs, self._stages_for(inputs)))
+
+    def _assign_lora_slots(self, scheduler_output: SchedulerOutput) -> None:
+        """Gives each new request the slot of its adapter, moving adapters in as needed."""
+        states = self.requests.states
+        busy = None
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.lora_request is None:
+                continue
+            if busy is None:
+                busy = {state.lora_slot for state in states.values()}
+            slot = self.lora.slot_for(new.lora_request, busy)
+            states[new.request_id].lora_slot = slot
+            busy.add(slot)
+        if self.params["lora"] is not self.lora.stacks:
+            self.params = {**self.params, "lora": self.lora.stacks}
 
     def _record_histories(self, chunks: list[ScheduledChunk]) -> None:
         """A request admitted on a prefix cache hit starts past tokens no step computes for it;
@@ -302,6 +324,10 @@ class ModelRunner:
         token_is_output = np.zeros(num_tokens_padded, bool)
         token_is_output[:num_tokens] = (batch.positions[:num_tokens]
                                         >= np.repeat(num_prompt, q_lens))
+        if self.lora is not None:
+            batch.lora_slots = np.zeros(num_tokens_padded, np.int32)
+            batch.lora_slots[:num_tokens] = np.repeat(
+                np.fromiter((c.state.lora_slot for c in chunks), np.int32, num_seqs), q_lens)
         next_prompt_ids, want_prompt = self._next_prompt_ids(chunks, batch, num_tokens_padded)
         inputs = StepInputs(
             batch=batch, sampling=None, token_rows=token_rows, token_is_output=token_is_output,
@@ -435,4 +461,7 @@ class ModelRunner:
                         out.hidden, np.zeros(num_tokens_padded, np.int32)))
             jax.block_until_ready([future.result() for future in prompt_programs])
         self._run_history([], [], [], [])  # the prefix-hit penalty program, compiled once
+        if self.lora is not None:
+            self.lora.warmup()
+            self.params = {**self.params, "lora": self.lora.stacks}
         progress(f"warm-up: done, {time.perf_counter() - start:.1f}s")

@@ -23,6 +23,7 @@ class RequestState:
     row: int  # the request's row in the block tables and the sampler's penalty state
     num_computed_tokens: int = 0
     new: bool = True  # created by this step: its penalty row starts over
+    lora_slot: int = 0  # the device slot of its LoRA adapter (0: the base model)
 
 
 @dataclass(slots=True)

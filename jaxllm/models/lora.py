@@ -1,0 +1,123 @@
+"""LoRA adapters inside the step: every layer's adapters stacked in slots, each token reading its
+own slot's (Punica's batched LoRA), so one step mixes the base model and several adapters.
+
+A slot holds, per layer and projection group, A [in, r] and B [r, out] at the engine's
+max_lora_rank (smaller ranks zero-padded; the adapter's scaling folded into B). Slot 0 stays
+zero: tokens of base-model requests add nothing. The groups follow the fused compute layout
+(models/fused.py): q/k/v share one A [H, 3r] (their three A's side by side) and one B
+[3r, Hkv * (G + 2) * D] that is block-diagonal, with its columns in wqkv's head order, so the
+update adds straight onto the fused projection's output; gate/up likewise onto w_gate_up's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.models.args import ModelArgs
+from pallas_kernels import lora as lora_kernels
+
+# projection group -> the HF modules (PEFT's target names) it fuses, in output order
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+def _module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(in, out) of each HF module."""
+    h, q, kv, i = args.hidden_size, args.q_size, args.kv_size, args.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def layer_groups(args: ModelArgs) -> tuple[str, ...]:
+    """The groups LoRA applies to in every layer: the MLP's only in a dense model (experts take
+    no adapters)."""
+    return tuple(g for g in GROUPS if args.mlp_kind == "dense" or g in ("qkv", "o"))
+
+
+def slot_shapes(args: ModelArgs, rank: int) -> dict[str, tuple[int, int]]:
+    """One slot's arrays in a layer: {group}_a [in, len(modules) * r], {group}_b [..., out]."""
+    shapes = _module_shapes(args)
+    out = {}
+    for group in layer_groups(args):
+        modules = GROUPS[group]
+        fan_in = shapes[modules[0]][0]
+        fan_out = sum(shapes[m][1] for m in modules)
+        out[f"{group}_a"] = (fan_in, len(modules) * rank)
+        out[f"{group}_b"] = (len(modules) * rank, fan_out)
+    return out
+
+
+def init_stacks(args: ModelArgs, num_slots: int, rank: int, dtype) -> list[dict]:
+    """Every layer's slots, all zero: [num_slots, *slot shape] per array."""
+    shapes = slot_shapes(args, rank)
+    return [{name: jnp.zeros((num_slots, *shape), dtype) for name, shape in shapes.items()}
+            for _ in range(args.num_layers)]
+
+
+def pack_slot(adapter_layers, args: ModelArgs, rank: int) -> list[dict[str, np.ndarray]]:
+    """An adapter's per-layer {module: (A [in, r], B [r, out])} as one slot's arrays (float32),
+    in the layout init_stacks holds."""
+    packed, shapes = [], slot_shapes(args, rank)
+    for modules in adapter_layers:
+        arrays = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        for group in layer_groups(args):
+            a, b = arrays[f"{group}_a"], arrays[f"{group}_b"]
+            column = 0
+            for k, module in enumerate(GROUPS[group]):
+                width = _module_shapes(args)[module][1]
+                if module in modules:
+                    lora_a, lora_b = modules[module]
+                    r = lora_a.shape[1]
+                    a[:, k * rank:k * rank + r] = lora_a
+                    b[k * rank:k * rank + r, column:column + width] = lora_b
+                column += width
+            if group == "qkv":
+                arrays["qkv_b"] = _to_fused_heads(b, args)
+        packed.append(arrays)
+    return packed
+
+
+def _to_fused_heads(b: np.ndarray, args: ModelArgs) -> np.ndarray:
+    """B's columns from HF's order (all q heads, then k, then v) to wqkv's: KV head j's G query
+    heads, then its k, then its v."""
+    q, kv, d = args.q_size, args.kv_size, args.head_dim
+    rows, num_kv = b.shape[0], args.num_kv_heads
+    parts = [b[:, :q].reshape(rows, num_kv, -1, d), b[:, q:q + kv].reshape(rows, num_kv, 1, d),
+             b[:, q + kv:].reshape(rows, num_kv, 1, d)]
+    return np.concatenate(parts, axis=2).reshape(rows, -1)
+
+
+@partial(jax.jit, donate_argnums=0)
+def write_slot(stacks: list[dict], slot: jax.Array, arrays: list[dict]) -> list[dict]:
+    """stacks with slot `slot` replaced by arrays (in place: the stacks are donated). The slot is
+    a traced index, so every slot shares one program."""
+    return jax.tree.map(lambda stack, value: stack.at[slot].set(value.astype(stack.dtype)),
+                        stacks, arrays)
+
+
+def _kernels():
+    """The Pallas kernels on a GPU; elsewhere their references (interpret mode is slow)."""
+    if jax.default_backend() == "gpu":
+        return lora_kernels.lora_shrink, lora_kernels.lora_expand
+    return lora_kernels.lora_shrink_reference, lora_kernels.lora_expand_reference
+
+
+@dataclass(frozen=True)
+class TokenLoRA:
+    """One layer's adapter stacks and each token's slot, inside a traced step."""
+    stacks: dict  # {group}_a [S, in, n*r], {group}_b [S, n*r, out]
+    slot_ids: jax.Array  # [T] int32
+
+    def add(self, base: jax.Array, x: jax.Array, group: str) -> jax.Array:
+        """base [T, ..., out] (the projection of x) + x @ A[slot] @ B[slot] per token."""
+        if f"{group}_a" not in self.stacks:
+            return base
+        shrink, expand = _kernels()
+        flat = base.reshape(base.shape[0], -1)
+        y = shrink(x, self.stacks[f"{group}_a"], self.slot_ids)
+        return expand(flat, y, self.stacks[f"{group}_b"], self.slot_ids).reshape(base.shape)
