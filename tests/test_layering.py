@@ -23,12 +23,13 @@ ALLOWED = {
     "jaxllm.spec_decode": (),
     "jaxllm.loader": ("jaxllm.models",),
     "jaxllm.sharding": ("jaxllm.models",),
+    "jaxllm.lora": ("jaxllm.models",),
     "jaxllm.worker": ("jaxllm.core.scheduler", "jaxllm.core.dp_scheduler",
                       "jaxllm.core.pooling_scheduler", "jaxllm.models",
-                      "jaxllm.sample", "pallas_kernels"),
+                      "jaxllm.sample", "jaxllm.lora", "pallas_kernels"),
     "jaxllm.engine": ("jaxllm.core", "jaxllm.worker", "jaxllm.models", "jaxllm.loader",
                       "jaxllm.sharding", "jaxllm.sample", "jaxllm.detok", "jaxllm.spec_decode",
-                      "pallas_kernels"),
+                      "jaxllm.lora", "pallas_kernels"),
     "jaxllm.server": ("jaxllm.engine", "jaxllm.detok"),
 }
 # Entry points above everything: the CLI and the benchmarks may import any layer.

@@ -1,0 +1,35 @@
+"""LoRARequest: which adapter a request runs with (vLLM's vllm.lora.request.LoRARequest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter by name, unique integer id (>= 1; 0 means "no adapter" in the batch) and the
+    directory of its PEFT files."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
+                or self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id!r}")
+        if not self.lora_name:
+            raise ValueError("lora_name must be a non-empty string")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
