@@ -5,11 +5,13 @@
 Names resolve lazily so that the control plane (jaxllm.core) imports without JAX.
 """
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "LoRARequest"]
 
 
 def __getattr__(name: str):

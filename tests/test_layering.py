@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEAVES = ("jaxllm.config", "jaxllm.outputs", "jaxllm.sampling_params", "jaxllm.pooling_params",
-          "jaxllm.sharding.axes")
+          "jaxllm.sharding.axes", "jaxllm.lora.request")
 
 # package -> the project packages it may import (itself and the leaves always).
 ALLOWED = {

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxllm.lora import LORA_TARGETS, HostLoRACache, LoRARequest, load_peft_adapter
+from jaxllm.lora.host_cache import HostLoRACache
+from jaxllm.lora.peft import LORA_TARGETS, load_peft_adapter
+from jaxllm.lora.request import LoRARequest
 from jaxllm.models.args import ModelArgs
 from lora_fixtures import peft_merged_weights, save_random_peft_adapter
 

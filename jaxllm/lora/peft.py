@@ -19,6 +19,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from jaxllm.models.args import ModelArgs
+from jaxllm.models.lora import module_shapes
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -73,14 +74,6 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
-
-
-def module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    """Each target's (in, out): HF's Linear(in, out), i.e. jaxllm's stored [in, out] weight."""
-    h, i = args.hidden_size, args.intermediate_size
-    return {"q_proj": (h, args.q_size), "k_proj": (h, args.kv_size), "v_proj": (h, args.kv_size),
-            "o_proj": (args.q_size, h), "gate_proj": (h, i), "up_proj": (h, i),
-            "down_proj": (i, h)}
 
 
 def load_peft_adapter(path: str, args: ModelArgs, *, max_lora_rank: int,

@@ -26,8 +26,8 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
-def _module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    """(in, out) of each HF module."""
+def module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """Each target's (in, out): HF's Linear(in, out), i.e. jaxllm's stored [in, out] weight."""
     h, q, kv, i = args.hidden_size, args.q_size, args.kv_size, args.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -41,7 +41,7 @@ def layer_groups(args: ModelArgs) -> tuple[str, ...]:
 
 def slot_shapes(args: ModelArgs, rank: int) -> dict[str, tuple[int, int]]:
     """One slot's arrays in a layer: {group}_a [in, len(modules) * r], {group}_b [..., out]."""
-    shapes = _module_shapes(args)
+    shapes = module_shapes(args)
     out = {}
     for group in layer_groups(args):
         modules = GROUPS[group]
@@ -69,7 +69,7 @@ def pack_slot(adapter_layers, args: ModelArgs, rank: int) -> list[dict[str, np.n
             a, b = arrays[f"{group}_a"], arrays[f"{group}_b"]
             column = 0
             for k, module in enumerate(GROUPS[group]):
-                width = _module_shapes(args)[module][1]
+                width = module_shapes(args)[module][1]
                 if module in modules:
                     lora_a, lora_b = modules[module]
                     r = lora_a.shape[1]
