@@ -16,13 +16,15 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from jaxllm.engine.input_processor import InputError
 from jaxllm.server.errors import INTERNAL_ERROR, OpenAIError, decode_request, error_response
+from jaxllm.server.lora_models import runtime_updating_allowed
 from jaxllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             DetokenizeResponse, TokenizeRequest, TokenizeResponse)
+                                   DetokenizeResponse, LoadLoRAAdapterRequest, TokenizeRequest,
+                                   TokenizeResponse, UnloadLoRAAdapterRequest)
 from jaxllm.server.serving import OpenAIServing
 from jaxllm.server.serving_chat import ChatServing, render_chat
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -94,6 +96,8 @@ def build_app(serving: OpenAIServing, api_key: str | None = None,
 
     routes = [*_generation_routes(serving, body),
               *_info_routes(serving, enable_tokenizer_info_endpoint),
+              *(_lora_routes(serving, body)
+                if serving.adapters is not None and runtime_updating_allowed() else []),
               *pooling_routes(serving, body, _until_disconnect)]
     app = Starlette(routes=routes, lifespan=_watchdog(serving, on_engine_dead or _exit_non_zero),
                     exception_handlers=_EXCEPTION_HANDLERS)
@@ -135,6 +139,20 @@ def _generation_routes(serving: OpenAIServing, body) -> list[Route]:
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])]
+
+
+def _lora_routes(serving: OpenAIServing, body) -> list[Route]:
+    """vLLM's runtime LoRA updating (only when allowed by its environment variable)."""
+    async def load(request: Request) -> Response:
+        message = await serving.load_lora_adapter(await body(request, LoadLoRAAdapterRequest))
+        return PlainTextResponse(message)
+
+    async def unload(request: Request) -> Response:
+        message = await serving.unload_lora_adapter(await body(request, UnloadLoRAAdapterRequest))
+        return PlainTextResponse(message)
+
+    return [Route("/v1/load_lora_adapter", load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload, methods=["POST"])]
 
 
 def _info_routes(serving: OpenAIServing, tokenizer_info_endpoint: bool) -> list[Route]:

@@ -14,6 +14,7 @@ from jaxllm.engine.args import EngineArgs, add_vllm_compat_flags, refuse
 from jaxllm.server.app import (H11_MAX_INCOMPLETE_EVENT_SIZE, LIMIT_CONCURRENCY,
                                MAX_REQUEST_BODY_BYTES, TIMEOUT_KEEP_ALIVE)
 from jaxllm.server.app import uvicorn_config as app_uvicorn_config
+from jaxllm.server.lora_models import ServedAdapters, parse_lora_module
 from jaxllm.server.metrics import PREFIXES
 
 logger = logging.getLogger("jaxllm.server")
@@ -48,6 +49,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--h11-max-incomplete-event-size", type=int,
                         default=H11_MAX_INCOMPLETE_EVENT_SIZE,
                         help="bytes of an HTTP request head at most (vLLM's flag)")
+    parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                        metavar="NAME=PATH",
+                        help="LoRA adapters served by name (needs --enable-lora): name=path or "
+                             'JSON {"name": ..., "path": ..., "base_model_name": ...}')
     parser.add_argument("--metrics-prefix", default="both", choices=sorted(PREFIXES),
                         help="/metrics names: vLLM's (vllm:, what its dashboards query), "
                              "jaxllm:, or both (default)")
@@ -110,7 +115,7 @@ SERVER_FLAGS_NOT_IMPLEMENTED = (
     "--uds", "--disable-access-log-for-endpoints", "--allow-credentials", "--allowed-origins",
     "--allowed-methods", "--allowed-headers", "--ssl-ciphers", "--enable-ssl-refresh",
     "--middleware", "--enable-request-id-headers",
-    "--h11-max-header-count", "--enable-offline-docs", "--lora-modules",
+    "--h11-max-header-count", "--enable-offline-docs",
     "--chat-template-content-format", "--trust-request-chat-template",
     "--default-chat-template-kwargs", "--return-tokens-as-token-ids", "--enable-auto-tool-choice",
     "--exclude-tools-when-tool-choice-none", "--tool-call-parser", "--tool-parser-plugin",
@@ -144,12 +149,26 @@ def build_serving(args: argparse.Namespace):
         raise ValueError(f"max_queue_len must be at least 1, got {args.max_queue_len}.")
     chat_template = load_chat_template(args.chat_template)
     args.model = args.model_tag or args.model
-    core = make_engine(EngineArgs.from_cli_args(args))  # a DPEngine for --data-parallel-size > 1
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    core = make_engine(engine_args)  # a DPEngine for --data-parallel-size > 1
+    adapters = _served_adapters(core, args.lora_modules) if engine_args.enable_lora else None
     engine = AsyncLLM(core, max_queue_len=args.max_queue_len)
     names = args.served_model_name or [core.model_name]  # the first is the one reported
     metrics = ServerMetrics(names[0], core.max_model_len, cache_config_info(core),
                             args.metrics_prefix)
-    return OpenAIServing(engine, names, metrics, chat_template)
+    return OpenAIServing(engine, names, metrics, chat_template, adapters)
+
+
+def _served_adapters(core, modules) -> ServedAdapters:
+    """--lora-modules, loaded now: a bad adapter stops the start-up with its error."""
+    adapters = ServedAdapters()
+    for module in modules or ():
+        lora_request = adapters.new_request(module)
+        core.add_lora(lora_request)
+        adapters.add(lora_request)
+    return adapters
 
 
 def cache_config_info(core) -> dict:

@@ -184,6 +184,19 @@ class _EngineStats:
             yield self._iteration_tokens()
         if "spec_decode_num_drafts_total" in self.stats:
             yield from self._spec_decode()
+        if "lora_max" in self.stats:
+            yield self._lora_requests_info()
+
+    def _lora_requests_info(self) -> Metric:
+        """vLLM's: the adapters of the running and the waiting requests as labels, the scrape
+        time as the value."""
+        family = GaugeMetricFamily("lora_requests_info", "Running stats on lora requests.",
+                                   labels=("max_lora", "waiting_lora_adapters",
+                                           "running_lora_adapters"))
+        stats = self.stats
+        family.add_metric([str(stats["lora_max"]), ",".join(stats["lora_waiting"]),
+                           ",".join(stats["lora_running"])], time.time())
+        return family
 
     def _iteration_tokens(self) -> Metric:
         family = HistogramMetricFamily("iteration_tokens_total",

@@ -176,6 +176,17 @@ class ModelCard(msgspec.Struct):
     created: int = msgspec.field(default_factory=_now)
     owned_by: str = "jaxllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str = ""
+    lora_int_id: int | None = None
 
 
 class ModelList(msgspec.Struct):

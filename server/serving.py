@@ -15,13 +15,15 @@ import msgspec
 
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from jaxllm.engine.input_processor import InputProcessor, ProcessedPrompt
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.server.errors import INTERNAL_ERROR, OpenAIError, error_body
+from jaxllm.server.lora_models import LoRAModulePath, ServedAdapters
 from jaxllm.server.metrics import RequestTimer, ServerMetrics
-from jaxllm.server.protocol import (LogprobEntry, ModelCard, ModelList, PromptLogprobs,
-                                   PromptTokenUsageInfo, SamplingFields, UsageInfo,
-                                   unsupported_field)
+from jaxllm.server.protocol import (LoadLoRAAdapterRequest, LogprobEntry, ModelCard, ModelList,
+                                   PromptLogprobs, PromptTokenUsageInfo, SamplingFields,
+                                   UnloadLoRAAdapterRequest, UsageInfo, unsupported_field)
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
@@ -38,7 +40,9 @@ MAX_STOP_STRING_CHARS = 1024
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 adapters: ServedAdapters | None = None) -> None:
+        """adapters: the LoRA adapters served by name (LoRA enabled), else None."""
         self.engine = engine
         # The engine thread detokenizes with its tokenizer; the event loop (token texts) and
         # the input thread (prompts) each get their own copy.
@@ -51,6 +55,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.served_model_names = served_model_names
         self.metrics = metrics
+        self.adapters = adapters
 
     async def off_loop(self, fn, *args):
         """`fn(*args)` on the input thread (an InputError it raises becomes a 400)."""
@@ -59,8 +64,12 @@ class OpenAIServing:
 
     def models(self) -> ModelList:
         root = self.served_model_names[0]
+        adapters = self.adapters.requests.values() if self.adapters else ()
         return ModelList([ModelCard(id=name, max_model_len=self.max_model_len, root=root)
-                          for name in self.served_model_names])
+                          for name in self.served_model_names]
+                         + [ModelCard(id=a.lora_name, max_model_len=self.max_model_len,
+                                      root=a.lora_path, parent=a.base_model_name or root)
+                            for a in adapters])
 
     def model(self, model_id: str) -> ModelCard:
         """One served model's card (GET /v1/models/{id}), or OpenAI's 404."""
@@ -84,9 +93,39 @@ class OpenAIServing:
         return self.processor.require_tokenizer(param)
 
     def check_model(self, model: str | None) -> str:
+        """The name responses report: the base model's first name, or the adapter's."""
         if model is None or model in self.served_model_names:
             return self.served_model_names[0]
+        if self.lora_for(model) is not None:
+            return model
         raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's model field names, if it names one."""
+        return None if self.adapters is None else self.adapters.requests.get(model)
+
+    # -- LoRA adapters at runtime (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        if self.adapters is None:
+            raise OpenAIError("LoRA is not enabled: start the server with --enable-lora.")
+        if not body.lora_name or not body.lora_path:
+            raise OpenAIError("Both 'lora_name' and 'lora_path' must be provided.")
+        lora_request = self.adapters.new_request(LoRAModulePath(body.lora_name, body.lora_path))
+        try:
+            await self.engine.add_lora(lora_request)
+        except ValueError as error:
+            raise OpenAIError(str(error), param="lora_path") from None
+        self.adapters.add(lora_request)
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        if self.adapters is None:
+            raise OpenAIError("LoRA is not enabled: start the server with --enable-lora.")
+        if not body.lora_name:
+            raise OpenAIError("'lora_name' needs to be provided to unload a LoRA adapter.")
+        lora_request = self.adapters.pop(body.lora_name)
+        await self.engine.remove_lora(lora_request.lora_int_id)
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     # -- sampling -------------------------------------------------------------------------------
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, prompt_len: int,
@@ -154,8 +193,9 @@ class OpenAIServing:
 
     # -- streams --------------------------------------------------------------------------------
     async def start(self, prompts: list[ProcessedPrompt], params: SamplingParams,
-                    request_id: str,
-                    cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                    request_id: str, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None,
+                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submits every prompt; returns once all were accepted (errors become 4xx/503 here).
 
         The returned iterator yields (prompt index, cumulative output) and records latency
@@ -166,7 +206,7 @@ class OpenAIServing:
             raise OpenAIError("Parameter 'cache_salt' must be a non-empty string if provided.",
                               param="cache_salt")
         streams = [self.engine.generate(p.token_ids, params, f"{request_id}-{i}", prompt=p.text,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=lora_request)
                    for i, p in enumerate(prompts)]
         firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
         error = next((f for f in firsts if isinstance(f, BaseException)), None)

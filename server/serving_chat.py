@@ -84,7 +84,8 @@ class ChatServing:
         params = self.serving.sampling_params(request, max_tokens, len(prompt.token_ids),
                                               num_logprobs, request.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self.serving.start([prompt], params, request_id, request.cache_salt)
+        outputs = await self.serving.start([prompt], params, request_id, request.cache_salt,
+                                           self.serving.lora_for(request.model))
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(self._stream(request, outputs, request_id, model,

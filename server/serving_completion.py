@@ -44,7 +44,8 @@ class CompletionServing:
         params = self.serving.sampling_params(request, 1 if echo_only else request.max_tokens,
                                               longest, request.logprobs, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = await self.serving.start(prompts, params, request_id, request.cache_salt)
+        outputs = await self.serving.start(prompts, params, request_id, request.cache_salt,
+                                           self.serving.lora_for(request.model))
         if echo_only:
             outputs = _prompt_only(outputs)
         if request.stream:
