@@ -68,7 +68,6 @@ CASES = [  # T, H, R, N, S, assignment, dtype
     (37, 200, 8, 72, 5, "ragged", BF16),
     (70, 160, 32, 200, 17, "ragged", F32),  # more slots than tokens per tile
     (45, 96, 16, 64, 4, "scattered", BF16),
-    (33, 64, 16, 130, 5, "one_slot", F32),
 ]
 
 
