@@ -13,7 +13,10 @@ per call (`ceilings.time_chain`) of:
   weights come from HBM as each layer's do), the cost the LoRA adds to;
 and the floor: the bytes the kernels must move (x, the adapters the tokens use, base read and
 written) over the measured copy bandwidth. Adapters rotate among 11 copies (more than L2).
-`--sweep` adds tile variants of each kernel. DIR gets lora_kernels.json; a table prints last.
+Correctness on the GPU first (interpret mode hides races and stray stores): per T, random and
+all-one-adapter slot ids with slot 0's weights NaN (never to be read), and one shape off the
+tiles (R 8), against the fp32 references (max_rel_err). `--sweep` adds tile variants of each
+kernel. DIR gets lora_kernels.json; a table prints last.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SIZES = {  # GPU, then --cpu
     "cpu": dict(tokens=[12], hidden=128, n_dim=96, rank=16, slots=5, adapter_copies=2,
                 weight_copies=1),
 }
+ODD_SHAPE = {"gpu": (37, 4000, 6000, 8, 5), "cpu": (5, 100, 72, 8, 3)}  # T, H, N, R, S
 SHRINK_SWEEP = ([dict(block_k=bk, num_warps=w) for bk in (64, 128) for w in (2, 4)]
                 + [dict(num_splits=s) for s in (1, 4, 16)])
 EXPAND_SWEEP = [dict(block_n=bn, num_warps=w) for bn in (64, 128, 256) for w in (4, 8)]
@@ -95,16 +99,38 @@ def max_rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+def check(x, base, slot_ids, a, b, interpret) -> float:
+    """The kernels' largest relative error against the references, slot 0's weights NaN for the
+    kernels (never read) and zero for the references; inf when the kernels' output is not
+    finite. On the GPU this is what interpret mode cannot show: races, stray stores."""
+    nan_a, nan_b = a.at[0].set(jnp.nan), b.at[0].set(jnp.nan)
+    y = lora.lora_shrink(x, nan_a, slot_ids, interpret=interpret)
+    got = np.asarray(lora.lora_expand(base, y, nan_b, slot_ids, interpret=interpret), np.float32)
+    want = lora.lora_expand_reference(base, lora.lora_shrink_reference(x, a, slot_ids), b,
+                                      slot_ids)
+    return max_rel_err(got, want) if np.isfinite(got).all() else float("inf")
+
+
+def odd_shape_check(shape, interpret) -> float:
+    """check() where T, H, N are off the tiles and R = 8."""
+    num_tokens, hidden, n_dim, rank, slots = shape
+    sizes = dict(hidden=hidden, n_dim=n_dim, rank=rank, slots=slots, adapter_copies=1,
+                 weight_copies=0)
+    x, base, slot_ids, [(a, b)], _ = inputs(num_tokens, sizes, np.random.default_rng(1))
+    return check(x, base, slot_ids, a, b, interpret)
+
+
 def measure(num_tokens, sizes, copy_bytes_per_s, interpret, sweep) -> dict:
     x, base, slot_ids, copies, weights = inputs(num_tokens, sizes, np.random.default_rng(0))
     carry = (x, base, slot_ids)
     shrink = functools.partial(lora._shrink, interpret=interpret)
     expand = functools.partial(lora._expand, interpret=interpret)
     ours = lora_call(shrink, expand)
-    got = jax.jit(ours, static_argnums=1)(carry, 0, copies)[1]
-    want = lora_call(lora.lora_shrink_reference, lora.lora_expand_reference)(carry, 0, copies)[1]
+    one_slot = jnp.full_like(slot_ids, sizes["slots"] - 1)  # every token one adapter
     floor_s = floor_bytes(num_tokens, slot_ids, sizes) / copy_bytes_per_s
-    row = {"tokens": num_tokens, "max_rel_err": max_rel_err(got, want),
+    row = {"tokens": num_tokens,
+           "max_rel_err": max(check(x, base, ids, *copies[0], interpret)
+                              for ids in (slot_ids, one_slot)),
            "floor_us": floor_s * 1e6,
            "lora_us": time_chain(ours, carry, copies) * 1e6,
            "reference_us": time_chain(lora_call(lora.lora_shrink_reference,
@@ -154,6 +180,10 @@ def main() -> None:
                 if args.cpu else measure_ceilings("bfloat16"))
     result = {"device": ceilings.device, "jax": jax.__version__, "sizes": sizes,
               "ceilings": ceilings.as_dict(), "rows": []}
+    result["odd_shape_rel_err"] = odd_shape_check(ODD_SHAPE["cpu" if args.cpu else "gpu"],
+                                                  args.cpu)
+    print(f"odd shape {ODD_SHAPE['cpu' if args.cpu else 'gpu']}: max rel err "
+          f"{result['odd_shape_rel_err']:.1e}", flush=True)
     for num_tokens in sizes["tokens"]:
         row = measure(num_tokens, sizes, ceilings.hbm_bytes_per_s, args.cpu, args.sweep)
         result["rows"].append(row)

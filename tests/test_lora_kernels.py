@@ -168,7 +168,9 @@ def test_gpu_benchmark_runs_on_cpu(tmp_path):
                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(tmp_path / "lora_kernels.json") as f:
-        rows = json.load(f)["rows"]
+        result = json.load(f)
+    rows = result["rows"]
+    assert result["odd_shape_rel_err"] < 2e-2
     assert rows and all(row["max_rel_err"] < 2e-2 for row in rows)
     assert all(row["lora_us"] > 0 or np.isnan(row["lora_us"]) for row in rows)
     assert "| T |" in out.stdout
