@@ -63,25 +63,29 @@ def weight_bytes(args, kind: str) -> float:
     return layers * per_weight + head
 
 
-def decode_ms(llm: LLM, context: int, steps: int) -> float:
+def decode_ms(llm: LLM, context: int, steps: int, lora_request=None) -> float:
     """ms per decode step at batch 1: (time of 1 + steps tokens - time of 1 token) / steps."""
-    prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(10, 1000, context))}
+    high = min(1000, llm.input_processor.vocab_size)
+    prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(10, high, context))}
     def run(n):
         start = time.perf_counter()
         llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                     use_tqdm=False)
+                     use_tqdm=False, lora_request=lora_request)
         return time.perf_counter() - start
     run(steps + 1)  # warm (eager programs compile here)
     return 1e3 * (min(run(steps + 1) for _ in range(2)) - min(run(1) for _ in range(2))) / steps
 
 
-def throughput(llm: LLM, num: int, input_len: int, output_len: int) -> float:
+def throughput(llm: LLM, num: int, input_len: int, output_len: int, loras=()) -> float:
+    """Output tok/s offline; loras: LoRA requests the prompts take in turn (none: the base)."""
     rng = np.random.default_rng(1)
-    prompts = [{"prompt_token_ids": rng.integers(10, 30000, input_len).tolist()}
+    high = min(30000, llm.input_processor.vocab_size)
+    prompts = [{"prompt_token_ids": rng.integers(10, high, input_len).tolist()}
                for _ in range(num)]
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    lora_requests = [loras[i % len(loras)] for i in range(num)] if loras else None
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 

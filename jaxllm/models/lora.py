@@ -59,12 +59,13 @@ def init_stacks(args: ModelArgs, num_slots: int, rank: int, dtype) -> list[dict]
             for _ in range(args.num_layers)]
 
 
-def pack_slot(adapter_layers, args: ModelArgs, rank: int) -> list[dict[str, np.ndarray]]:
-    """An adapter's per-layer {module: (A [in, r], B [r, out])} as one slot's arrays (float32),
-    in the layout init_stacks holds."""
+def pack_slot(adapter_layers, args: ModelArgs, rank: int,
+              dtype=np.float32) -> list[dict[str, np.ndarray]]:
+    """An adapter's per-layer {module: (A [in, r], B [r, out])} as one slot's arrays in the
+    layout init_stacks holds, in `dtype` (the stacks': half the bytes to move for 16 bits)."""
     packed, shapes = [], slot_shapes(args, rank)
     for modules in adapter_layers:
-        arrays = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        arrays = {name: np.zeros(shape, dtype) for name, shape in shapes.items()}
         for group in layer_groups(args):
             a, b = arrays[f"{group}_a"], arrays[f"{group}_b"]
             column = 0

@@ -58,7 +58,7 @@ class LoRASlots:
     def _move_in(self, lora_request: LoRARequest, slot: int) -> None:
         start = time.perf_counter()
         adapter = self.host_cache.get(lora_request)
-        arrays = pack_slot(adapter.layers, self.args, self.rank)
+        arrays = pack_slot(adapter.layers, self.args, self.rank, self.stacks[0]["qkv_a"].dtype)
         self.stacks = write_slot(self.stacks, np.int32(slot), arrays)
         jax.block_until_ready(self.stacks)
         self.load_seconds = time.perf_counter() - start
@@ -77,6 +77,7 @@ class LoRASlots:
 
     def warmup(self) -> None:
         """Compiles write_slot (zeros into slot 1, which holds nothing yet)."""
-        zeros = pack_slot([{}] * self.args.num_layers, self.args, self.rank)
+        zeros = pack_slot([{}] * self.args.num_layers, self.args, self.rank,
+                          self.stacks[0]["qkv_a"].dtype)
         self.stacks = write_slot(self.stacks, np.int32(1), zeros)
         jax.block_until_ready(self.stacks)
