@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from functools import partial
 
 import jax
 
@@ -20,6 +21,7 @@ from jaxllm.models import ModelArgs
 from jaxllm.sharding.mesh import make_mesh
 from jaxllm.worker import kv_cache
 from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.pipeline import FrontStage, Pipeline
 
 logger = logging.getLogger("jaxllm")
 
@@ -39,8 +41,9 @@ def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
     if (parallel.enable_expert_parallel
             and ModelArgs.from_hf_config(config.model_config.hf_config).num_experts):
         mesh = make_mesh(parallel)
+        ep = mesh.shape["data"] * mesh.shape["tensor"]
         log(f"DP attention: {parallel.data_parallel_size} DP ranks step together, experts "
-            f"split over all {mesh.size} devices (expert parallel size {mesh.size})")
+            f"split over the {ep} devices of each stage (expert parallel size {ep})")
         return build_engine_core(config, log, mesh)
     return DPEngine(config, build_engine_core, log)
 
@@ -85,9 +88,10 @@ def _kv_cache_dtype(config: EngineConfig, sharded: ShardedModel):
 
 
 def _block_bytes(config: EngineConfig, sharded: ShardedModel) -> int:
-    """K and V of one block over all layers, per device (the cache splits KV heads over TP)."""
+    """K and V of one block over all layers of the largest stage, per device (the cache splits KV
+    heads over TP, layers over pipeline stages)."""
     args = sharded.args
-    return kv_cache.bytes_per_block(args.num_layers, config.cache_config.block_size,
+    return kv_cache.bytes_per_block(max(sharded.kv_layers), config.cache_config.block_size,
                                     args.num_kv_heads // sharded.tp, args.head_dim,
                                     _kv_cache_dtype(config, sharded))
 
@@ -96,15 +100,29 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                  num_blocks: int) -> ModelRunner:
     args, sched = sharded.args, config.scheduler_config
     dtype = _kv_cache_dtype(config, sharded)
-    caches = kv_cache.allocate_kv_caches(args.num_layers, dp_size * num_blocks,
-                                         config.cache_config.block_size, args.num_kv_heads,
-                                         args.head_dim, dtype, sharded.kv_cache_sharding)
+    allocate = partial(kv_cache.allocate_kv_caches, num_blocks=dp_size * num_blocks,
+                       block_size=config.cache_config.block_size, num_kv_heads=args.num_kv_heads,
+                       head_dim=args.head_dim, dtype=dtype)
+    caches = allocate(sharded.kv_layers[-1], sharding=sharded.kv_cache_sharding)
     return ModelRunner(sharded.model_fn, sharded.loaded.params, caches,
                        vocab_size=args.vocab_size, block_size=config.cache_config.block_size,
                        max_model_len=config.model_config.max_model_len,
                        max_num_seqs=sched.max_num_seqs,
                        max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
-                       lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config))
+                       lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config),
+                       pipeline=_make_pipeline(sharded, allocate))
+
+
+def _make_pipeline(sharded: ShardedModel, allocate) -> Pipeline | None:
+    """The stages before the last, each with its own KV cache (pipeline parallelism)."""
+    if sharded.pipeline is None:
+        return None
+    plans = sharded.pipeline.stages
+    front = [FrontStage(params, model_fn, allocate(layers, sharding=plan.kv_cache_sharding),
+                        plan.mesh)
+             for (params, model_fn), plan, layers in zip(sharded.front_stages, plans,
+                                                         sharded.kv_layers)]
+    return Pipeline(front, plans[-1].mesh)
 
 
 def _spec_runner_args(config: EngineConfig) -> dict:

@@ -88,21 +88,43 @@ def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelAr
 
     Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32.
     """
+    x = embed_tokens(params, batch)
+    x, new_caches = run_layers(params["layers"], kv_caches, x, batch, args=args, attn=attn,
+                               write_kv=write_kv)
+    return final_outputs(params, x, batch, new_caches, args=args, return_hidden=return_hidden)
+
+
+def embed_tokens(params: dict, batch: StepBatch) -> jax.Array:
+    """The step's token embeddings [T, H]."""
+    return params["embed"][batch.token_ids]
+
+
+def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: StepBatch, *,
+               args: ModelArgs, attn: Callable = ragged_paged_attention_reference,
+               write_kv: Callable = write_kv_reference) -> tuple[jax.Array, KVCache]:
+    """A contiguous range of decoder layers (all of them, or one pipeline stage's) with their
+    KV caches, over the residual stream x [T, H] -> (x, updated kv_caches)."""
     mlp = MLPS[args.mlp_kind][0]
-    x = params["embed"][batch.token_ids]  # [T, H]
     cos, sin = rope_cos_sin(batch.positions, args)
     new_caches = []
-    for layer, (k_cache, v_cache) in zip(params["layers"], kv_caches, strict=True):
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         out, k_cache, v_cache = _attention_block(layer, x, k_cache, v_cache, batch, cos, sin,
                                                  args, attn, write_kv)
         x = x + out
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args)
         new_caches.append((k_cache, v_cache))
+    return x, new_caches
+
+
+def final_outputs(params: dict, x: jax.Array, batch: StepBatch, kv_caches: KVCache, *,
+                  args: ModelArgs, return_hidden: bool = False):
+    """The final norm and the logits at batch.logits_indices after the last layer: forward's
+    outputs, kv_caches passed through."""
     if return_hidden:
         hidden = rms_norm(x, params["final_norm"], args.rms_norm_eps)  # [T, H]
-        return compute_logits(params, hidden[batch.logits_indices]), new_caches, hidden
+        return compute_logits(params, hidden[batch.logits_indices]), kv_caches, hidden
     x = rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, H]
-    return compute_logits(params, x), new_caches
+    return compute_logits(params, x), kv_caches
 
 
 def compute_logits(params: dict, x: jax.Array) -> jax.Array:
