@@ -67,7 +67,9 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
         f" ({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
         + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else ""))
     runner = _make_runner(config, sharded, dp_size, num_blocks)
-    schedulers = [Scheduler(config.scheduler_config, cache, num_blocks, config.speculative_config)
+    pp = config.parallel_config.pipeline_parallel_size
+    schedulers = [Scheduler(config.scheduler_config, cache, num_blocks, config.speculative_config,
+                            batch_queue_size=pp if pp > 1 else None)
                   for _ in range(dp_size)]
     loaded = sharded.loaded
     core = EngineCore(config, runner, schedulers, loaded.tokenizer, set(loaded.eos_token_ids),
