@@ -127,7 +127,8 @@ class Pipeline:
         futures = {}
         for packed, layout in packed_layouts:
             for index, stage in enumerate(self.stages):
-                x = None if index == 0 else self._activations(layout, self.models[index].activations)
+                x = (None if index == 0
+                     else self._activations(layout, self.models[index].activations))
                 lowered = stage_step.lower(stage.params, stage.kv_caches, packed, x,
                                            model=self.models[index], layout=layout)
                 futures[index, layout] = pool.submit(lowered.compile)
