@@ -135,16 +135,21 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Layers split into this many stages, each on its own TP devices (vLLM's
+    # --pipeline-parallel-size; uneven splits from VLLM_PP_LAYER_PARTITION, sharding/pipeline.py).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+        sizes = (self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size)
+        if min(sizes) < 1:
             raise ValueError(
-                "tensor_parallel_size and data_parallel_size must be at least 1, got "
-                f"{self.tensor_parallel_size} and {self.data_parallel_size}.")
+                "tensor_parallel_size, data_parallel_size and pipeline_parallel_size must be at "
+                f"least 1, got {sizes[0]}, {sizes[1]} and {sizes[2]}.")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
+        """Devices of the whole engine: DP x PP x TP."""
+        return self.tensor_parallel_size * self.data_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

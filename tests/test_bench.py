@@ -155,8 +155,9 @@ def test_measure_ceilings_on_this_device():
 
 
 def test_ceilings_of_a_mesh_divide_the_floor(monkeypatch):
-    """With TP x DP devices the floor counts all of them: the 8B decode floor at TP=4 x DP=2
-    is an eighth of one device's."""
+    """A workload's floor counts all DP x PP x TP devices: the 8B decode floor over TP=4 x DP=2
+    is an eighth of one device's, and PP=2 doubles the devices again. One decode step's floor
+    divides by TP only (its stages run one after another; each DP replica reads all weights)."""
     from argparse import Namespace
 
     from jaxllm.bench.throughput import measure_ceilings_for
@@ -164,12 +165,18 @@ def test_ceilings_of_a_mesh_divide_the_floor(monkeypatch):
     one = roofline.Ceilings(4.0e12, 3.8e12, 7.9e14, "NVIDIA H200", "bfloat16")
     monkeypatch.setattr(roofline, "measure_ceilings", lambda dtype: one)
     eight = measure_ceilings_for(Namespace(dtype="bfloat16", tensor_parallel_size=4,
-                                           data_parallel_size=2))
+                                           data_parallel_size=2, pipeline_parallel_size=1))
+    assert measure_ceilings_for(Namespace(dtype="bfloat16", tensor_parallel_size=4,
+                                          data_parallel_size=2, pipeline_parallel_size=2)
+                                ).device == "16 x NVIDIA H200"
     assert eight.device == "8 x NVIDIA H200" and eight.hbm_bytes_per_s == 8 * 4.0e12
     args = ModelArgs.from_hf_config(PRESETS["llama-3.1-8b"])
     single = roofline.decode_step_floor(args, 1, 2048, one)["floor_s"]
     assert roofline.decode_step_floor(args, 1, 2048, eight)["floor_s"] == pytest.approx(single / 8)
     assert one.times(1) is one
+    tp2 = roofline.mesh_decode_step_floor(args, 1, 2048, one, tp=2, dp=1)["floor_s"]
+    assert tp2 == pytest.approx(single / 2)
+    assert roofline.mesh_decode_step_floor(args, 2, 2048, one, tp=2, dp=2)["floor_s"] == tp2
 
 
 # -- serving metrics ----------------------------------------------------------------------------

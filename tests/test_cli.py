@@ -32,10 +32,11 @@ def test_vllm_launch_line():
     args = parse("/models/llama -tp 2 -dp 2 -ep --max-model-len 4k --max-num-batched-tokens 32K "
                  "--dtype half --served-model-name llama chat --disable-log-requests "
                  "--trust-remote-code --no-enable-prefix-caching --enable-chunked-prefill "
-                 "--generation-config vllm -pp 1 --kv-cache-dtype auto --disable-log-stats "
+                 "--generation-config vllm -pp 2 --kv-cache-dtype auto --disable-log-stats "
                  "--swap-space 4 --uvicorn-log-level trace")
     assert args.model_tag == "/models/llama"
     assert (args.tensor_parallel_size, args.data_parallel_size) == (2, 2)
+    assert args.pipeline_parallel_size == 2
     assert args.enable_expert_parallel is True
     assert (args.max_model_len, args.max_num_batched_tokens) == (4000, 32768)
     assert args.dtype == "float16"
@@ -119,7 +120,7 @@ def test_unimplemented_vllm_flag_is_named(line, flag, capsys):
 
 
 @pytest.mark.parametrize("line, shown", [
-    ("-pp 2", "--pipeline-parallel-size 2"), ("--tokenizer-mode slow", "--tokenizer-mode slow"),
+    ("--tokenizer-mode slow", "--tokenizer-mode slow"),
     ("--generation-config auto", "--generation-config auto"),
     ("--generation-config /models/x", "--generation-config /models/x"),
     ("--scheduling-policy priority", "--scheduling-policy priority"),

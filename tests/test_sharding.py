@@ -217,7 +217,7 @@ def test_ep_with_one_device_warns(caplog):
 
     with caplog.at_level("WARNING"):
         mesh = make_mesh(ParallelConfig(enable_expert_parallel=True))
-    assert dict(mesh.shape) == {"data": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "pipe": 1, "tensor": 1}
     assert "expert parallelism has no effect" in caplog.text
 
 

@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from jaxllm.bench import roofline, spec_decode
 from jaxllm.bench.datasets import random_requests
-from jaxllm.bench.throughput import add_engine_args, engine_prompt, make_llm, measure_ceilings_for
+from jaxllm.bench.throughput import (add_engine_args, engine_prompt, make_llm,
+                                     measure_device_ceilings)
 from jaxllm.sampling_params import SamplingParams
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -120,9 +121,10 @@ def main(args: argparse.Namespace) -> dict:
                 f"{args.input_len}")
         if not args.no_roofline:
             from jaxllm.loader.loader import resolve_dtype
-            floor = roofline.decode_step_floor(
+            floor = roofline.mesh_decode_step_floor(
                 roofline.model_args_of(args.model, args.load_format), args.batch_size,
-                args.input_len, measure_ceilings_for(args), resolve_dtype(args.dtype).itemsize)
+                args.input_len, measure_device_ceilings(args), args.tensor_parallel_size,
+                args.data_parallel_size, resolve_dtype(args.dtype).itemsize)
             decode["roofline"] = floor
             line += "; " + roofline.describe(floor, decode["median_step_ms"] / 1e3)
         print(line, flush=True)

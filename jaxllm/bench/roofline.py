@@ -65,6 +65,17 @@ def decode_step_floor(args: ModelArgs, batch_size: int, context_len: int, ceilin
     return _floor(step_bytes, flops, ceilings)
 
 
+def mesh_decode_step_floor(args: ModelArgs, batch_size: int, context_len: int,
+                           ceilings: Ceilings, tp: int, dp: int, dtype_bytes: int = 2) -> dict:
+    """One decode step on a DP x PP x TP mesh of devices with one device's `ceilings`: each DP
+    replica runs its share of the batch, reading all the weights; the TP devices of a stage share
+    its reads; the PP stages of one step run one after another, so PP does not divide it (it
+    divides a workload's floor, where every stage has a batch: `workload_floor` over all
+    devices)."""
+    return decode_step_floor(args, -(-batch_size // dp), context_len, ceilings.times(tp),
+                             dtype_bytes)
+
+
 def workload_floor(args: ModelArgs, prompt_lens, output_lens, max_num_seqs: int,
                    ceilings: Ceilings, dtype_bytes: int = 2) -> dict:
     """Offline run of requests (prompt_lens[i] in, output_lens[i] out) at most max_num_seqs at a

@@ -124,8 +124,14 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def measure_ceilings_for(args: argparse.Namespace) -> roofline.Ceilings:
-    """The ceilings, in the engine's dtype, of the devices the engine runs on (TP x DP of one
-    measured device)."""
+    """The ceilings, in the engine's dtype, of all the devices the engine runs on (DP x PP x TP
+    of one measured device): an offline workload keeps every DP replica and, with PP batches in
+    flight, every pipeline stage busy at once."""
+    return measure_device_ceilings(args).times(
+        args.tensor_parallel_size * args.data_parallel_size * args.pipeline_parallel_size)
+
+
+def measure_device_ceilings(args: argparse.Namespace) -> roofline.Ceilings:
+    """One device's ceilings in the engine's dtype."""
     from jaxllm.loader.loader import resolve_dtype
-    return roofline.measure_ceilings(resolve_dtype(args.dtype).name).times(
-        args.tensor_parallel_size * args.data_parallel_size)
+    return roofline.measure_ceilings(resolve_dtype(args.dtype).name)

@@ -33,6 +33,15 @@ and max_tokens, and blocks for them. update_from_output rolls num_computed_token
 rejected drafts, so the next step rewrites their KV slots in place (no copy; the blocks stay the
 request's). No drafts are granted in a step whose running batch reaches disable_by_batch_size.
 The engine never combines drafts with async scheduling (EngineArgs).
+
+Batch queue (pipeline parallelism, vLLM's batch queue): the engine keeps up to
+batch_queue_size steps in flight, so schedule() runs several times before the oldest step's
+update. A request whose last token is still in flight then gets no grant until it arrives (no
+placeholder inputs: the pipeline's first stage cannot read what its last stage samples without
+waiting for it), while prefill chunks keep flowing (each stage writes a chunk's KV before the
+next chunk reads it: one stage's programs run in launch order). Each step takes at most
+max_num_seqs / batch_queue_size (rounded up) sequences, so the batches in flight share the
+running requests and every stage has work.
 """
 
 from __future__ import annotations
@@ -135,9 +144,14 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_gpu_blocks: int,
                  speculative_config: SpeculativeConfig | None = None,
-                 max_loras: int | None = None) -> None:
-        """max_loras (LoRA enabled): the running requests use at most this many adapters."""
+                 max_loras: int | None = None,
+                 batch_queue_size: int | None = None) -> None:
+        """max_loras (LoRA enabled): the running requests use at most this many adapters.
+        batch_queue_size: steps the engine keeps in flight (pipeline parallelism); None: at
+        most two, the second taking the first's tokens as placeholders (async scheduling)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.placeholder_inputs = batch_queue_size is None
+        self.max_seqs_per_step = -(-self.max_num_seqs // (batch_queue_size or 1))
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -235,7 +249,8 @@ class Scheduler:
         allocate_slots = self.kv_cache_manager.allocate_slots
         running = self.running
         req_index = 0
-        while req_index < len(running) and step.budget > 0:
+        while (req_index < len(running) and step.budget > 0
+               and len(step.grants) < self.max_seqs_per_step):
             request = running[req_index]
             num_new_tokens = self._num_new_tokens(request, step.budget)
             if num_new_tokens <= 0:  # nothing to compute until its sampled token arrives
@@ -263,7 +278,8 @@ class Scheduler:
         loras = ({r.lora_int_id for r in self.running} - {0}
                  if self.max_loras is not None and self.waiting else set())
         skipped: list[Request] = []
-        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs
+               and len(step.grants) < self.max_seqs_per_step):
             request = self.waiting[0]
             if request.num_output_placeholders:  # preempted with a token in flight: recompute
                 break  # only once that token is known (after update_from_output)
@@ -306,9 +322,9 @@ class Scheduler:
                         num_computed: int | None = None) -> int:
         num_placeholders = request.num_output_placeholders
         num_tokens = len(request.all_token_ids) + num_placeholders
-        if num_placeholders and self._length_capped(
-                num_tokens, len(request.output_token_ids) + num_placeholders, request):
-            return 0  # its token in flight is its last, whatever its id
+        if num_placeholders and (not self.placeholder_inputs or self._length_capped(
+                num_tokens, len(request.output_token_ids) + num_placeholders, request)):
+            return 0  # its token in flight is its next input, or its last whatever its id
         if num_computed is None:
             num_computed = request.num_computed_tokens
         return min(num_tokens - num_computed, token_budget, self.max_model_len - num_computed)

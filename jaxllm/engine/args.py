@@ -20,6 +20,7 @@ from jaxllm.loader.loader import read_hf_config, resolve_model_path
 from jaxllm.worker import device_memory
 from jaxllm.loader import quant_checkpoint
 from jaxllm.models import ModelArgs
+from jaxllm.sharding.pipeline import layer_partition
 
 
 @dataclass
@@ -40,6 +41,7 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
     seed: int = 0
     load_format: str = "auto"
@@ -90,7 +92,8 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
-                enable_expert_parallel=self.enable_expert_parallel),
+                enable_expert_parallel=self.enable_expert_parallel,
+                pipeline_parallel_size=self.pipeline_parallel_size),
             load_config=LoadConfig(load_format=self.load_format),
             runner_config=RunnerConfig(
                 attention_backend=self.attention_backend,
@@ -104,6 +107,7 @@ class EngineArgs:
             pooler_config=pooler_config, speculative_config=speculative,
             lora_config=self._lora_config(model_config))
         _check_quantization(config)
+        _check_pipeline_parallel(config)
         return config
 
     def _model_config(self) -> tuple[ModelConfig, PoolerConfig | None]:
@@ -128,9 +132,10 @@ class EngineArgs:
             return None
         if model_config.runner == "pooling":
             raise ValueError("LoRA adapters on pooling models are not supported yet.")
-        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
-            raise ValueError("LoRA with tensor_parallel_size > 1 or data_parallel_size > 1 is "
-                             "not supported yet.")
+        if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+                or self.pipeline_parallel_size > 1):
+            raise ValueError("LoRA with tensor, data or pipeline parallelism (size > 1) is not "
+                             "supported yet.")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras)
 
@@ -192,6 +197,22 @@ def _check_quantization(config: EngineConfig) -> None:
     quant_checkpoint.check_device(model.quantization, config.cache_config.kv_cache_dtype)
 
 
+def _check_pipeline_parallel(config: EngineConfig) -> None:
+    """What pipeline parallelism does not run with yet is refused before loading; the layer
+    split (VLLM_PP_LAYER_PARTITION) is checked here too."""
+    pp = config.parallel_config.pipeline_parallel_size
+    if pp == 1:
+        return
+    unsupported = [name for name, used in (
+        ("speculative decoding", config.speculative_config is not None),
+        ("quantization", config.model_config.quantization is not None),
+        ("pooling models", config.model_config.runner == "pooling")) if used]
+    if unsupported:
+        raise ValueError(f"Pipeline parallelism (pipeline_parallel_size={pp}) does not support "
+                         f"{' or '.join(unsupported)} yet.")
+    layer_partition(ModelArgs.from_hf_config(config.model_config.hf_config).num_layers, pp)
+
+
 # -- vLLM's value syntax ------------------------------------------------------------------------
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -231,6 +252,7 @@ def parse_dtype(value: str) -> str:
 
 
 _ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),
+            "pipeline_parallel_size": ("-pp",),
             "enable_expert_parallel": ("-ep",), "quantization": ("-q",)}
 _FLAG_TYPES = {"max_model_len": parse_max_model_len, "max_num_batched_tokens": human_readable_int,
                "kv_cache_memory_bytes": human_readable_int}
@@ -270,7 +292,6 @@ ENGINE_FLAGS_NO_EFFECT = (
 
 # Accepted at the value that is jaxllm's behaviour, refused at any other: (flag, value).
 ENGINE_FLAGS_DEFAULT_ONLY = (
-    ("--pipeline-parallel-size|-pp", "1"),
     ("--tokenizer-mode", "auto"),
     ("--model-impl", "auto"),
     ("--scheduling-policy", "fcfs"),

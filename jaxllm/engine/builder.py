@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from functools import partial
 
 import jax
 
@@ -22,6 +23,7 @@ from jaxllm.sharding.mesh import make_mesh
 from jaxllm.worker import kv_cache
 from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.model_runner import ModelRunner
+from jaxllm.worker.pipeline import FrontStage, Pipeline
 
 logger = logging.getLogger("jaxllm")
 
@@ -41,8 +43,9 @@ def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
     if (parallel.enable_expert_parallel
             and ModelArgs.from_hf_config(config.model_config.hf_config).num_experts):
         mesh = make_mesh(parallel)
+        ep = mesh.shape["data"] * mesh.shape["tensor"]
         log(f"DP attention: {parallel.data_parallel_size} DP ranks step together, experts "
-            f"split over all {mesh.size} devices (expert parallel size {mesh.size})")
+            f"split over the {ep} devices of each stage (expert parallel size {ep})")
         return build_engine_core(config, log, mesh)
     return DPEngine(config, build_engine_core, log)
 
@@ -66,9 +69,10 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
         f" ({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
         + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else ""))
     runner = _make_runner(config, sharded, dp_size, num_blocks)
-    lora = config.lora_config
+    lora, pp = config.lora_config, config.parallel_config.pipeline_parallel_size
     schedulers = [Scheduler(config.scheduler_config, cache, num_blocks, config.speculative_config,
-                            max_loras=lora.max_loras if lora else None)
+                            max_loras=lora.max_loras if lora else None,
+                            batch_queue_size=pp if pp > 1 else None)
                   for _ in range(dp_size)]
     loaded = sharded.loaded
     core = EngineCore(config, runner, schedulers, loaded.tokenizer, set(loaded.eos_token_ids),
@@ -89,9 +93,10 @@ def _kv_cache_dtype(config: EngineConfig, sharded: ShardedModel):
 
 
 def _block_bytes(config: EngineConfig, sharded: ShardedModel) -> int:
-    """K and V of one block over all layers, per device (the cache splits KV heads over TP)."""
+    """K and V of one block over all layers of the largest stage, per device (the cache splits KV
+    heads over TP, layers over pipeline stages)."""
     args = sharded.args
-    return kv_cache.bytes_per_block(args.num_layers, config.cache_config.block_size,
+    return kv_cache.bytes_per_block(max(sharded.kv_layers), config.cache_config.block_size,
                                     args.num_kv_heads // sharded.tp, args.head_dim,
                                     _kv_cache_dtype(config, sharded))
 
@@ -100,16 +105,30 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                  num_blocks: int) -> ModelRunner:
     args, sched = sharded.args, config.scheduler_config
     dtype = _kv_cache_dtype(config, sharded)
-    caches = kv_cache.allocate_kv_caches(args.num_layers, dp_size * num_blocks,
-                                         config.cache_config.block_size, args.num_kv_heads,
-                                         args.head_dim, dtype, sharded.kv_cache_sharding)
+    allocate = partial(kv_cache.allocate_kv_caches, num_blocks=dp_size * num_blocks,
+                       block_size=config.cache_config.block_size, num_kv_heads=args.num_kv_heads,
+                       head_dim=args.head_dim, dtype=dtype)
+    caches = allocate(sharded.kv_layers[-1], sharding=sharded.kv_cache_sharding)
     return ModelRunner(sharded.model_fn, sharded.loaded.params, caches,
                        vocab_size=args.vocab_size, block_size=config.cache_config.block_size,
                        max_model_len=config.model_config.max_model_len,
                        max_num_seqs=sched.max_num_seqs,
                        max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
                        lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config),
+                       pipeline=_make_pipeline(sharded, allocate),
                        lora_slots=_lora_slots(config, sharded))
+
+
+def _make_pipeline(sharded: ShardedModel, allocate) -> Pipeline | None:
+    """The stages before the last, each with its own KV cache (pipeline parallelism)."""
+    if sharded.pipeline is None:
+        return None
+    plans = sharded.pipeline.stages
+    front = [FrontStage(params, model_fn, allocate(layers, sharding=plan.kv_cache_sharding),
+                        plan.mesh)
+             for (params, model_fn), plan, layers in zip(sharded.front_stages, plans,
+                                                         sharded.kv_layers)]
+    return Pipeline(front, plans[-1].mesh)
 
 
 def _lora_slots(config: EngineConfig, sharded: ShardedModel) -> LoRASlots | None:

@@ -5,6 +5,10 @@ device runs N+1 while the host updates the scheduler and detokenises N; the sche
 placeholders stand for the tokens in flight. Blocks freed by N's results (finished requests,
 including a stop string found now) are safe to hand out: only steps launched later can write
 them, and the device runs steps in launch order.
+
+With pipeline parallelism the engine keeps up to PP steps in flight (vLLM's batch queue), so
+that while the last stage runs one batch the first runs the next; the scheduler then holds back
+a request until its token in flight arrives (core/scheduler.py) instead of using placeholders.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import bisect
 import copy
 import itertools
 import logging
+from collections import deque
 
 import numpy as np
 
@@ -57,7 +62,8 @@ class EngineCore:
         # past a smaller tokenizer's).
         self.input_processor = InputProcessor(None, self.max_model_len, vocab_size)
         self._seed_rng = np.random.default_rng(config.model_config.seed)
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
+        self.max_in_flight = max_steps_in_flight(config)
         self._share_groups = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -157,19 +163,20 @@ class EngineCore:
 
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and launches a step, then returns the outputs of the step it collects: this
-        one, or with async scheduling the one launched by the previous call."""
+        """Schedules and launches a step, then returns the outputs of the oldest step in flight
+        once max_in_flight steps are (or nothing new was launched): this one without async
+        scheduling, else one launched by an earlier call."""
         scheduler_output = self.scheduler.schedule()
-        launched = None
         if scheduler_output.num_reqs:
-            launched = (scheduler_output, self.runner.launch(scheduler_output))
+            self._in_flight.append((scheduler_output, self.runner.launch(scheduler_output)))
             self._count_iteration(scheduler_output.total_num_scheduled_tokens)
         else:
             self.runner.release(scheduler_output.finished_req_ids
                                 | scheduler_output.preempted_req_ids)
-        if self.async_scheduling:
-            launched, self._in_flight = self._in_flight, launched
-        return self._process(*launched) if launched else []
+        if self._in_flight and (len(self._in_flight) >= self.max_in_flight
+                                or not scheduler_output.num_reqs):
+            return self._process(*self._in_flight.popleft())
+        return []
 
     def _process(self, scheduler_output: SchedulerOutput,
                  launched: LaunchedStep) -> list[RequestOutput]:
@@ -222,6 +229,15 @@ class EngineCore:
             return {}
         return {"lora_max": lora.max_loras, "lora_running": stats.running_lora_adapters,
                 "lora_waiting": stats.waiting_lora_adapters}
+
+
+def max_steps_in_flight(config: EngineConfig) -> int:
+    """One step without async scheduling, two with it; with pipeline parallelism one per stage
+    (vLLM's batch queue), so every stage has a batch."""
+    pp = config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        return pp
+    return 2 if config.runner_config.async_scheduling else 1
 
 
 def _make_proposer(config: EngineConfig) -> NgramProposer | None:

@@ -14,8 +14,10 @@ from jaxllm.loader import load_model
 from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.models.attention import attention_backend
 from jaxllm.models.quant import quantize_params_fp8
-from jaxllm.sharding.mesh import make_mesh, validate_model_parallelism
+from jaxllm.sharding.mesh import make_mesh, stage_meshes, validate_model_parallelism
+from jaxllm.sharding.pipeline import PipelinePlan
 from jaxllm.sharding.rules import ShardingPlan
+from jaxllm.worker.pipeline import last_stage_forward, stage_forward
 
 
 @dataclasses.dataclass
@@ -25,12 +27,23 @@ class ShardedModel:
     model_fn: Callable  # (params, kv_caches, batch) -> (logits, kv_caches)
     kv_cache_sharding: object  # None on one device
     tp: int = 1
+    # Pipeline parallelism: loaded.params, model_fn and kv_cache_sharding are the last stage's;
+    # these are the stages before it (params placed, KV caches not yet allocated).
+    pipeline: PipelinePlan | None = None
+    front_stages: list = dataclasses.field(default_factory=list)  # [(params, model_fn)]
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """Layers per stage (one stage without pipeline parallelism)."""
+        if self.pipeline is None:
+            return [self.args.num_layers]
+        return [end - start for start, end in self.pipeline.layers]
 
 
 def engine_mesh(config: EngineConfig) -> Mesh | None:
-    """The mesh of one engine replica ([1, TP]); None for a single device."""
+    """The mesh of one engine replica ([1, PP, TP]); None for a single device."""
     parallel = config.parallel_config
-    if parallel.tensor_parallel_size == 1:
+    if parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1:
         return None
     return make_mesh(dataclasses.replace(parallel, data_parallel_size=1))
 
@@ -55,9 +68,28 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
                                    data_parallel_size=mesh.shape["data"])
     args = ModelArgs.from_hf_config(model.hf_config)
     validate_model_parallelism(args, parallel)
-    plan = ShardingPlan(mesh, args, expert_parallel)
+    if mesh.shape["pipe"] > 1:
+        return _load_pipeline(PipelinePlan.build(mesh, args, expert_parallel), load, attn,
+                              write_kv)
+    plan = ShardingPlan(stage_meshes(mesh)[0], args, expert_parallel)
     loaded = load(shardings=plan.param_sharding)
     loaded.params = fuse_params(plan.shard_params(loaded.params), plan.model_args.num_kv_heads,
                                 plan.param_sharding, free_inputs=True)
     return ShardedModel(loaded, plan.model_args, plan.model_fn(forward, attn, write_kv),
                         plan.kv_cache_sharding, plan.tp)
+
+
+def _load_pipeline(pipeline: PipelinePlan, load: Callable, attn, write_kv) -> ShardedModel:
+    """Each stage's weights loaded onto its own devices and fused there; the stages before the
+    last as (params, stage model function), the last as the ShardedModel's own."""
+    loaded = load(shardings=pipeline.param_sharding)
+    stages = [fuse_params(params, plan.model_args.num_kv_heads, plan.param_sharding,
+                          free_inputs=True)
+              for plan, params in zip(pipeline.stages, pipeline.split_params(loaded.params))]
+    front = [(params, plan.model_fn(stage_forward, attn, write_kv))
+             for plan, params in zip(pipeline.stages[:-1], stages[:-1])]
+    last = pipeline.stages[-1]
+    loaded.params = stages[-1]
+    return ShardedModel(loaded, last.model_args, last.model_fn(last_stage_forward, attn, write_kv),
+                        last.kv_cache_sharding, last.tp, pipeline, front)
+

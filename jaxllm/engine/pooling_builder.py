@@ -23,8 +23,8 @@ logger = logging.getLogger("jaxllm")
 def build_pooling_engine(config: EngineConfig, log=logger.info) -> PoolingEngine:
     model = config.model_config
     if config.parallel_config.world_size > 1:
-        raise ValueError("Pooling models run on one device: tensor_parallel_size and "
-                         "data_parallel_size must be 1.")
+        raise ValueError("Pooling models run on one device: tensor_parallel_size, "
+                         "data_parallel_size and pipeline_parallel_size must be 1.")
     classify = model.convert == "classify"
     if architecture(model.hf_config) in bert.ENCODER_ARCHITECTURES:
         params, hidden_fn, dims = _encoder(config, classify)

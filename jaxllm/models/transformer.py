@@ -97,13 +97,30 @@ def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelAr
     params["lora"] holds every layer's adapter stacks (models/lora.py) and batch.lora_slots
     each token's slot.
     """
+    x = embed_tokens(params, batch)
+    x, new_caches = run_layers(params["layers"], kv_caches, x, batch, args=args, attn=attn,
+                               write_kv=write_kv, loras=params.get("lora"))
+    return final_outputs(params, x, batch, new_caches, args=args, return_hidden=return_hidden)
+
+
+def embed_tokens(params: dict, batch: StepBatch) -> jax.Array:
+    """The step's token embeddings [T, H]."""
+    return params["embed"][batch.token_ids]
+
+
+def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: StepBatch, *,
+               args: ModelArgs, attn: Callable = ragged_paged_attention_reference,
+               write_kv: Callable = write_kv_reference,
+               loras: list[dict] | None = None) -> tuple[jax.Array, KVCache]:
+    """A contiguous range of decoder layers (all of them, or one pipeline stage's) with their
+    KV caches, over the residual stream x [T, H] -> (x, updated kv_caches). loras: the layers'
+    LoRA adapter stacks (models/lora.py), read at batch.lora_slots."""
     mlp = MLPS[args.mlp_kind][0]
-    x = params["embed"][batch.token_ids]  # [T, H]
     cos, sin = rope_cos_sin(batch.positions, args)
     new_caches = []
-    loras = params.get("lora") or [None] * args.num_layers
+    loras = loras or [None] * len(layers)
     mlp_lora = args.mlp_kind == "dense"  # experts take no adapters (models/lora.py)
-    for layer, (k_cache, v_cache), stacks in zip(params["layers"], kv_caches, loras, strict=True):
+    for layer, (k_cache, v_cache), stacks in zip(layers, kv_caches, loras, strict=True):
         lora = None if stacks is None else TokenLoRA(stacks, batch.lora_slots)
         out, k_cache, v_cache = _attention_block(layer, x, k_cache, v_cache, batch, cos, sin,
                                                  args, attn, write_kv, lora)
@@ -111,11 +128,18 @@ def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelAr
         h = rms_norm(x, layer["mlp_norm"], args.rms_norm_eps)
         x = x + (mlp(layer, h, args, lora=lora) if lora and mlp_lora else mlp(layer, h, args))
         new_caches.append((k_cache, v_cache))
+    return x, new_caches
+
+
+def final_outputs(params: dict, x: jax.Array, batch: StepBatch, kv_caches: KVCache, *,
+                  args: ModelArgs, return_hidden: bool = False):
+    """The final norm and the logits at batch.logits_indices after the last layer: forward's
+    outputs, kv_caches passed through."""
     if return_hidden:
         hidden = rms_norm(x, params["final_norm"], args.rms_norm_eps)  # [T, H]
-        return compute_logits(params, hidden[batch.logits_indices]), new_caches, hidden
+        return compute_logits(params, hidden[batch.logits_indices]), kv_caches, hidden
     x = rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, H]
-    return compute_logits(params, x), new_caches
+    return compute_logits(params, x), kv_caches
 
 
 def compute_logits(params: dict, x: jax.Array) -> jax.Array:

@@ -39,6 +39,7 @@ from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.draft_rows import DraftRowBuilder
 from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.packing import pack
+from jaxllm.worker.pipeline import Pipeline
 from jaxllm.worker.request_states import RequestStates, ScheduledChunk
 from jaxllm.worker.step import HistoryInputs, StepInputs, StepModel, StepOutput, StepState
 
@@ -119,7 +120,8 @@ class ModelRunner:
     def __init__(self, model_fn: Callable, params, kv_caches, *, vocab_size: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dp_size: int = 1, lean_steps: bool | None = None, num_spec_tokens: int = 0,
-                 max_spec_seqs: int = 0, lora_slots: LoRASlots | None = None) -> None:
+                 max_spec_seqs: int = 0, pipeline: Pipeline | None = None,
+                 lora_slots: LoRASlots | None = None) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
@@ -134,8 +136,12 @@ class ModelRunner:
         num_spec_tokens > 0 (speculative decoding, one DP rank): steps verify up to that many
         draft tokens for up to max_spec_seqs sequences (worker/draft_rows.py).
 
-        lora_slots (LoRA enabled, one DP rank): each token reads its request's adapter slot;
-        the stacks ride in params["lora"]."""
+        pipeline (pipeline parallelism): the stages before the last, run before each step;
+        params, kv_caches and model_fn are then the last stage's (worker/pipeline.py).
+
+        lora_slots (LoRA enabled, one DP rank, one stage): each token reads its request's
+        adapter slot; the stacks ride in params["lora"]."""
+        self.pipeline = pipeline
         self.lora = lora_slots
         self.params = params if lora_slots is None else {**params, "lora": lora_slots.stacks}
         self.block_size = block_size
@@ -172,18 +178,22 @@ class ModelRunner:
                 else (SamplerStages.COND,))
 
     def _lower(self, packed, layout, stages: SamplerStages):
-        return step_fn.step.lower(self.params, self.state, packed, model=self.model,
+        params = (self.params if self.pipeline is None
+                  else self.pipeline.lowering_params(self.params, layout))
+        return step_fn.step.lower(params, self.state, packed, model=self.model,
                                   layout=layout, stages=stages)
 
     def _run_step(self, inputs: StepInputs, stages: SamplerStages) -> StepOutput:
         """Runs the step on inputs, sent as one packed buffer, through the executable the
         warm-up compiled for it (else jit)."""
         packed, layout = pack(inputs)
+        params = (self.params if self.pipeline is None
+                  else self.pipeline.step_params(self.params, packed, layout))
         compiled = self._compiled.get((layout, stages))
         if compiled is not None:
-            out, self.state = compiled(self.params, self.state, packed)
+            out, self.state = compiled(params, self.state, packed)
         else:
-            out, self.state = step_fn.step(self.params, self.state, packed, model=self.model,
+            out, self.state = step_fn.step(params, self.state, packed, model=self.model,
                                            layout=layout, stages=stages)
         return out
 
@@ -442,6 +452,8 @@ class ModelRunner:
                 packed, layout = pack(self._padding_inputs(num_tokens_padded))
                 lowered = self._lower(packed, layout, stages)
                 futures[pool.submit(lowered.compile)] = (layout, stages, num_tokens_padded)
+            if self.pipeline is not None:  # the stages before the last
+                self.pipeline.warmup([pack(self._padding_inputs(n)) for n in self.buckets], pool)
             progress(f"warm-up: traced {len(programs)} programs, "
                      f"{time.perf_counter() - start:.1f}s")
             for n, future in enumerate(as_completed(futures), 1):
