@@ -18,7 +18,8 @@ from jaxllm.server.testing import free_port
 
 def stand_in_serving():
     engine = SimpleNamespace(is_healthy=True)
-    return SimpleNamespace(engine=engine, tokenizer=None, models=lambda: 1 / 0, max_model_len=128)
+    return SimpleNamespace(engine=engine, tokenizer=None, models=lambda: 1 / 0, max_model_len=128,
+                           adapters=None)
 
 
 def test_a_dead_engine_stops_the_server(monkeypatch):
