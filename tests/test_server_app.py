@@ -71,7 +71,7 @@ def test_one_model_by_id_and_tokenizer_info(tiny_tokenizer):
 
     serving = SimpleNamespace(engine=SimpleNamespace(is_healthy=True), max_model_len=128,
                               tokenizer=tiny_tokenizer,
-                              chat_template=None,
+                              chat_template=None, adapters=None,
                               processor=InputProcessor(tiny_tokenizer, 128, 384),
                               models=lambda: ModelList([ModelCard("tiny", 128),
                                                         ModelCard("org/tiny-2", 128)]))
