@@ -229,3 +229,45 @@ def test_server_serves_adapters_by_name_and_at_runtime(base_and_adapters, monkey
             complete("qv16")
     finally:
         server.close()
+
+
+def _pallas_kernels(interpret: bool):
+    from functools import partial
+
+    from pallas_kernels import lora as kernels
+    return (partial(kernels.lora_shrink, interpret=interpret),
+            partial(kernels.lora_expand, interpret=interpret))
+
+
+def test_the_gpu_path_adds_what_the_reference_adds_and_lowers_for_cuda(monkeypatch):
+    """TokenLoRA.add through the Pallas kernels (interpret mode) equals the reference path on
+    the fused qkv layout with scattered slots, and lowers for an H200."""
+    import jax.numpy as jnp
+
+    from conftest import lower_for_h200
+    from jaxllm.models import lora as model_lora
+
+    rng = np.random.default_rng(0)
+    num_tokens, hidden, num_kv, group, head_dim, rank, num_slots = 13, 64, 2, 3, 16, 16, 4
+    fan_out = num_kv * (group + 2) * head_dim
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.float32)
+    base = jnp.asarray(rng.standard_normal((num_tokens, num_kv, group + 2, head_dim)), jnp.float32)
+    a = rng.standard_normal((num_slots, hidden, 3 * rank)).astype(np.float32)
+    b = rng.standard_normal((num_slots, 3 * rank, fan_out)).astype(np.float32)
+    a[0], b[0] = 0, 0  # slot 0: the base model
+    stacks = {"qkv_a": jnp.asarray(a), "qkv_b": jnp.asarray(b)}
+    slots = jnp.asarray(rng.integers(0, num_slots, num_tokens), jnp.int32)
+    lora = model_lora.TokenLoRA(stacks, slots)
+    want = lora.add(base, x, "qkv")
+    assert not np.allclose(want, base)  # the update is there
+    monkeypatch.setattr(model_lora, "_kernels", lambda: _pallas_kernels(True))
+    np.testing.assert_allclose(lora.add(base, x, "qkv"), want, rtol=2e-5, atol=2e-4)
+    monkeypatch.setattr(model_lora, "_kernels", lambda: _pallas_kernels(False))
+    spec = jax.ShapeDtypeStruct
+    lowered = lower_for_h200(
+        lambda base, x, a, b, s: model_lora.TokenLoRA({"qkv_a": a, "qkv_b": b}, s).add(
+            base, x, "qkv"),
+        spec((256, 8, 6, 128), jnp.bfloat16), spec((256, 4096), jnp.bfloat16),
+        spec((17, 4096, 48), jnp.bfloat16), spec((17, 48, 6144), jnp.bfloat16),
+        spec((256,), jnp.int32))
+    assert "triton" in lowered.lower()
