@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import resource
@@ -11,6 +12,7 @@ import signal
 from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 
+import h11
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
@@ -44,6 +46,11 @@ LIMIT_CONCURRENCY = 2048
 TIMEOUT_KEEP_ALIVE = 5
 # Bytes of an unfinished request head (h11); vLLM's --h11-max-incomplete-event-size default.
 H11_MAX_INCOMPLETE_EVENT_SIZE = 4 * 1024 * 1024
+# Seconds a request head may take from its first byte, and a body from the end of its head (vLLM
+# and uvicorn have no bound): a client that trickles either in would hold its connection, and a
+# concurrency slot, for as long as it likes.
+REQUEST_HEADER_TIMEOUT = 30.0
+REQUEST_BODY_TIMEOUT = 30.0
 # Seconds between checks that the engine thread is alive.
 _WATCHDOG_PERIOD_S = 0.5
 
@@ -52,14 +59,25 @@ def _json(body) -> Response:
     return Response(_ENCODER.encode(body), media_type="application/json")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+class _SlowBody(OpenAIError):
+    """A body that did not arrive in time: answered 408, then the connection closes rather than
+    wait for the rest."""
+
+
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The whole body: at most `limit` bytes, within `timeout` seconds."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(f"Request body exceeds {limit} bytes.",
-                              HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise OpenAIError(f"Request body exceeds {limit} bytes.",
+                                      HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise _SlowBody(f"The request body did not arrive within {timeout:g} seconds.",
+                        HTTPStatus.REQUEST_TIMEOUT) from None
     return b"".join(chunks)
 
 
@@ -86,13 +104,15 @@ async def _until_disconnect(request: Request, work) -> Response:
 
 def build_app(serving: OpenAIServing, api_key: str | None = None,
               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
-              on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False) -> Starlette:
+              on_engine_dead=None, enable_tokenizer_info_endpoint: bool = False,
+              request_body_timeout: float = REQUEST_BODY_TIMEOUT) -> Starlette:
     """The app. When the engine thread dies, `on_engine_dead()` runs (default: the process
     stops with a non-zero status, as vLLM's, so that a supervisor restarts it)."""
 
     async def body(request: Request, request_type):
         """The request's body, bounded and decoded into request_type."""
-        return decode_request(await _read_body(request, max_request_body_bytes), request_type)
+        return decode_request(await _read_body(request, max_request_body_bytes,
+                                               request_body_timeout), request_type)
 
     routes = [*_generation_routes(serving, body),
               *_info_routes(serving, enable_tokenizer_info_endpoint),
@@ -230,25 +250,79 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info",
                    limit_concurrency: int | None = LIMIT_CONCURRENCY,
                    timeout_keep_alive: int = TIMEOUT_KEEP_ALIVE,
                    h11_max_incomplete_event_size: int = H11_MAX_INCOMPLETE_EVENT_SIZE,
+                   request_header_timeout: float = REQUEST_HEADER_TIMEOUT,
+                   request_body_timeout: float = REQUEST_BODY_TIMEOUT,
                    **options) -> uvicorn.Config:
     """uvicorn's settings for the app, with this server's connection limits; options: any
     other uvicorn.Config setting (TLS, root path, access log)."""
     _raise_open_files_limit()
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=_H11Protocol,
+    protocol = functools.partial(_H11Protocol, request_header_timeout=request_header_timeout,
+                                 request_body_timeout=request_body_timeout)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                           limit_concurrency=limit_concurrency,
                           timeout_keep_alive=timeout_keep_alive,
                           h11_max_incomplete_event_size=h11_max_incomplete_event_size, **options)
 
 
 class _H11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, but a connection that sends nothing is closed after the
-    keep-alive timeout too (uvicorn starts that timer only after a first response), so idle
-    connections cannot pile up until the process runs out of file descriptors."""
+    """uvicorn's h11 protocol, but no client holds a connection by sending slowly or not at all,
+    so connections cannot pile up until the process runs out of file descriptors or
+    limit_concurrency: one that sends nothing is closed after the keep-alive timeout too (uvicorn
+    starts that timer only after a first response); a request head must be complete within
+    request_header_timeout of its first byte (h11 bounds its size, not its time); a body still
+    coming in after its response was sent (a route that did not read it) is waited for at most
+    request_body_timeout. The body a route reads is bounded by the app (_read_body)."""
+
+    def __init__(self, *args, request_header_timeout: float, request_body_timeout: float,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._timeouts = {"head": request_header_timeout, "unread body": request_body_timeout}
+        self._slow_phase: str | None = None  # what the armed deadline waits for
+        self._slow_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_slow_client()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_slow_client()
+
+    def connection_lost(self, exc) -> None:
+        self._arm_deadline(None)
+        super().connection_lost(exc)
+
+    def _watch_slow_client(self) -> None:
+        """Arms a deadline when a head has started or a body is left coming in after its
+        response; disarms it when neither is the case any more."""
+        conn = self.conn
+        if conn.their_state is h11.IDLE and conn.trailing_data[0]:
+            phase = "head"
+        elif (conn.their_state is h11.SEND_BODY and self.cycle is not None
+              and self.cycle.response_complete):
+            phase = "unread body"
+        else:
+            phase = None
+        if phase != self._slow_phase:
+            self._arm_deadline(phase)
+
+    def _arm_deadline(self, phase: str | None) -> None:
+        if self._slow_deadline is not None:
+            self._slow_deadline.cancel()
+        self._slow_phase = phase
+        self._slow_deadline = (None if phase is None else self.loop.call_later(
+            self._timeouts[phase], self._close_slow_client))
+
+    def _close_slow_client(self) -> None:
+        logger.info("Closed a connection whose %s did not arrive within %g seconds.",
+                    self._slow_phase, self._timeouts[self._slow_phase])
+        self._slow_deadline = None
+        self.timeout_keep_alive_handler()  # closes the connection
 
 
 def _raise_open_files_limit() -> None:
@@ -262,6 +336,12 @@ def _raise_open_files_limit() -> None:
 
 async def _openai_error(request: Request, error: OpenAIError) -> Response:
     return error_response(error)
+
+
+async def _slow_body(request: Request, error: _SlowBody) -> Response:
+    response = error_response(error)
+    response.headers["connection"] = "close"  # h11 then closes the connection after it
+    return response
 
 
 async def _input_error(request: Request, error: InputError) -> Response:
@@ -279,6 +359,7 @@ async def _internal_error(request: Request, error: Exception) -> Response:
 
 _EXCEPTION_HANDLERS = {
     OpenAIError: _openai_error,
+    _SlowBody: _slow_body,
     InputError: _input_error,
     HTTPException: _http_error,
     Exception: _internal_error,

@@ -12,7 +12,8 @@ import uvicorn
 
 from jaxllm.engine.args import EngineArgs, add_vllm_compat_flags, refuse
 from jaxllm.server.app import (H11_MAX_INCOMPLETE_EVENT_SIZE, LIMIT_CONCURRENCY,
-                               MAX_REQUEST_BODY_BYTES, TIMEOUT_KEEP_ALIVE)
+                               MAX_REQUEST_BODY_BYTES, REQUEST_BODY_TIMEOUT,
+                               REQUEST_HEADER_TIMEOUT, TIMEOUT_KEEP_ALIVE)
 from jaxllm.server.app import uvicorn_config as app_uvicorn_config
 from jaxllm.server.lora_models import ServedAdapters, parse_lora_module
 from jaxllm.server.metrics import PREFIXES
@@ -49,6 +50,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--h11-max-incomplete-event-size", type=int,
                         default=H11_MAX_INCOMPLETE_EVENT_SIZE,
                         help="bytes of an HTTP request head at most (vLLM's flag)")
+    parser.add_argument("--request-header-timeout", type=float, default=REQUEST_HEADER_TIMEOUT,
+                        help="seconds a request head may take from its first byte; a slower "
+                             "one has its connection closed (jaxllm's flag: vLLM has no bound)")
+    parser.add_argument("--request-body-timeout", type=float, default=REQUEST_BODY_TIMEOUT,
+                        help="seconds a request body may take to arrive in full after its head; "
+                             "a slower one gets 408 and its connection closed (jaxllm's flag: "
+                             "vLLM has no bound)")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
                         metavar="NAME=PATH",
                         help="LoRA adapters served by name (needs --enable-lora): name=path or "
@@ -81,6 +89,8 @@ def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
         app, args.host, args.port, args.uvicorn_log_level,
         limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        request_header_timeout=args.request_header_timeout,
+        request_body_timeout=args.request_body_timeout,
         access_log=not args.disable_uvicorn_access_log, root_path=args.root_path or "",
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
@@ -188,6 +198,7 @@ def run_serve(args: argparse.Namespace) -> None:
     serving = build_serving(args)
     app = build_app(serving, api_key=args.api_key,
                     max_request_body_bytes=args.max_request_body_bytes,
+                    request_body_timeout=args.request_body_timeout,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     try:
         asyncio.run(_serve(uvicorn.Server(uvicorn_config(app, args)), args,

@@ -17,6 +17,7 @@ _ERROR_TYPES = {
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.REQUEST_TIMEOUT: "RequestTimeoutError",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",

@@ -154,14 +154,16 @@ def test_api_key_takes_one_key(capsys, monkeypatch):
 def test_uvicorn_flags_reach_its_config():
     args = parse("m --disable-uvicorn-access-log --root-path /llm --ssl-keyfile k.pem "
                  "--ssl-certfile c.pem --ssl-ca-certs ca.pem --ssl-cert-reqs 2 --host 0.0.0.0 "
-                 "--port 9001")
+                 "--port 9001 --request-header-timeout 7 --request-body-timeout 9.5")
     config = uvicorn_config(object(), args)
     assert config.access_log is False and config.root_path == "/llm"
+    assert config.http.keywords == {"request_header_timeout": 7.0, "request_body_timeout": 9.5}
     assert (config.ssl_keyfile, config.ssl_certfile, config.ssl_ca_certs) == (
         "k.pem", "c.pem", "ca.pem")
     assert config.ssl_cert_reqs == 2 and (config.host, config.port) == ("0.0.0.0", 9001)
     default = uvicorn_config(object(), parse("m"))
     assert default.access_log is True and default.ssl_keyfile is None
+    assert default.http.keywords == {"request_header_timeout": 30.0, "request_body_timeout": 30.0}
 
 
 def test_metrics_prefix_choices(capsys):

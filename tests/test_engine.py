@@ -235,6 +235,33 @@ def test_n_and_logprobs(llm):
     assert_all_blocks_free(llm)
 
 
+def test_n_children_take_turns_with_later_requests_and_greedy_is_unchanged(
+        llm, tiny_llama_dir, monkeypatch):
+    """The children of an n > 1 request take turns with requests that arrive after it
+    (jaxllm/core/waiting_queue.py); the reordering changes no greedy output."""
+    from jaxllm.engine.output_processor import child_request_id
+
+    prompts = random_prompts(7, 3, 300)
+    expected = hf_greedy(tiny_llama_dir, prompts, 8)
+    scheduler, admitted = llm.llm_engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        admitted.extend(r.request_id for r in out.scheduled_new_reqs)
+        return out
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    params = [SamplingParams(n=6, temperature=0.0, max_tokens=8, min_tokens=8), greedy(8),
+              greedy(8)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [c.token_ids for c in outputs[0].outputs] == [expected[0]] * 6
+    assert [o.outputs[0].token_ids for o in outputs[1:]] == expected[1:]
+    parent, later, last = (o.request_id for o in outputs)
+    assert admitted[:4] == [child_request_id(parent, 0, 6), later, last,
+                            child_request_id(parent, 1, 6)]
+    assert_all_blocks_free(llm)
+
+
 def test_stop_token_ids_and_max_tokens(llm):
     first = llm.generate([[9, 10, 11]], greedy(8), use_tqdm=False)[0].outputs[0]
     stop_at = first.token_ids[3]

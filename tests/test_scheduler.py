@@ -10,6 +10,7 @@ from jaxllm.config import CacheConfig, SchedulerConfig
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID as PH
 from jaxllm.core.scheduler import Scheduler, SchedulerOutput
+from jaxllm.core.waiting_queue import WaitingQueue
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker.request_states import RequestStates
 
@@ -211,6 +212,83 @@ def test_abort_waiting_and_running_requests_frees_everything():
         scheduler.finish_requests("a", RequestStatus.RUNNING)
 
 
+def make_children(parent_id, n, num_prompt_tokens, **params):
+    """The n child requests of one request, as EngineCore makes them."""
+    prompt = [2000 + i for i in range(num_prompt_tokens)]
+    return [Request(f"{parent_id}#{i}", prompt, SamplingParams(**params),
+                    parent_request_id=parent_id) for i in range(n)]
+
+
+def test_parents_take_turns_and_keep_their_order():
+    scheduler = make_scheduler(max_num_seqs=16, max_num_batched_tokens=64)
+    for request in [*make_children("a", 4, 3), *make_children("b", 3, 3), make_request("c", 3)]:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.scheduled] == [
+        "a#0", "b#0", "c", "a#1", "b#1", "a#2", "b#2", "a#3"]
+
+
+def test_an_n_128_request_does_not_hold_back_a_later_request():
+    """Strict FCFS would admit "late" after all 128 children (16 steps or more, at most 8
+    prompts a step); it goes right after the first child, and the children still go in order."""
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=256, max_num_batched_tokens=256)
+    for request in [*make_children("big", 128, 32, max_tokens=4), make_request("late", 32)]:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.scheduled][:3] == ["big#0", "late", "big#1"]
+    admitted = [s.request_id for s in out.scheduled]
+    while len(admitted) < 129:
+        sample_all(scheduler, out)
+        out = scheduler.schedule()
+        assert out.total_num_scheduled_tokens <= 256
+        admitted += [s.request_id for s in out.scheduled if s.is_new]
+    assert [i for i in admitted if i != "late"] == [f"big#{i}" for i in range(128)]
+
+
+def test_a_parent_over_max_loras_waits_whole_and_later_parents_go():
+    from jaxllm.lora.request import LoRARequest
+
+    scheduler = Scheduler(SchedulerConfig(8, 64, 64), CacheConfig(block_size=8,
+                                                                   enable_prefix_caching=False),
+                          64, None, 1)
+    first = make_request("first", 3)
+    first.lora_request = LoRARequest("one", 1, "/one")
+    scheduler.add_request(first)
+    assert [r.request_id for r in scheduler.schedule().scheduled_new_reqs] == ["first"]
+    other = make_children("other", 2, 3)  # a second adapter: over max_loras=1 while first runs
+    for child in other:
+        child.lora_request = LoRARequest("two", 2, "/two")
+    for request in [*other, make_request("base", 3)]:
+        scheduler.add_request(request)
+    assert [r.request_id for r in scheduler.schedule().scheduled_new_reqs] == ["base"]
+    assert list(scheduler.waiting) == other
+
+
+def test_waiting_queue_preempted_first_removal_and_skipped_groups():
+    queue = WaitingQueue()
+    a, b = make_children("a", 3, 2), make_children("b", 2, 2)
+    for request in [*a, *b]:
+        queue.append(request)
+    assert len(queue) == 5 and queue.first() is a[0]
+    assert queue.popleft() is a[0]  # admitted: a's next child waits behind b
+    queue.appendleft(a[0])  # preempted: first again, whatever its parent
+    assert list(queue) == [a[0], *b, a[1], a[2]]
+    assert queue.popleft() is a[0] and queue.first() is b[0]
+    skipped = [queue.popleft_group()]  # b cannot be admitted this step: both its children wait
+    assert len(queue) == 2 and queue.first() is a[1]
+    queue.extendleft_groups(skipped)
+    assert list(queue) == [*b, a[1], a[2]] and len(queue) == 4
+    queue.remove(a[1])
+    queue.remove(b[0])
+    queue.remove(b[1])  # b's group is gone
+    assert list(queue) == [a[2]] and len(queue) == 1
+    with pytest.raises(ValueError, match="not waiting"):
+        queue.remove(b[1])
+    queue.append(make_request("c", 2))  # another parent: a group of its own
+    assert [r.request_id for r in (queue.popleft(), queue.popleft())] == ["a#2", "c"]
+    assert len(queue) == 0 and not queue
+
+
 def run_to_finish(scheduler, request, token_ids):
     """Feeds token_ids one per step; returns the finished request's output tokens."""
     scheduler.add_request(request)
@@ -409,7 +487,9 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
         max_tokens = rng.choice([None, 1, 5, 20])
         params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[3], all_stop_token_ids={4},
                                 min_tokens=0 if max_tokens == 1 else rng.choice([0, 2]))
-        requests.append(Request(f"r{i}", prompt, params))
+        if i == 0 or rng.random() < 0.5:  # else a sibling of the previous one (n > 1)
+            parent_id = f"p{i}"
+        requests.append(Request(f"r{i}", prompt, params, parent_request_id=parent_id))
     pending = list(requests)
     num_steps = 0
     previous = None  # async order: the scheduled step whose update is still to come
@@ -423,6 +503,8 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
                 next_position[request.request_id] = 0
                 in_flight[request.request_id] = 0
         waiting_before = {r.request_id for r in scheduler.waiting}
+        assert len(waiting_before) == len(scheduler.waiting) == sum(
+            r.status != RequestStatus.RUNNING for r in scheduler.requests.values())
         out = scheduler.schedule()
         num_steps += 1
         if out.preempted_req_ids:  # as vLLM, a step that preempts admits no one

@@ -33,8 +33,11 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, arrival_time: float | None = None,
                  cache_salt: str | None = None, share_group: int | None = None,
-                 lora_request=None) -> None:
+                 lora_request=None, parent_request_id: str | None = None) -> None:
         self.request_id = request_id
+        # The request it is a child of (n > 1), else its own id: the waiting queue takes turns
+        # between parents.
+        self.parent_request_id = request_id if parent_request_id is None else parent_request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

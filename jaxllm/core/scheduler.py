@@ -2,7 +2,8 @@
 
 Every request has `num_computed_tokens`; a step grants each request min(its uncomputed tokens,
 the budget left) tokens, so a prefill that does not fit is simply chunked and decode is a grant
-of one. Running requests are served in order, then waiting ones first-come first-served. When
+of one. Running requests are served in order, then waiting ones first-come first-served between
+parent requests, taking turns between the n > 1 children of each (waiting_queue.py). When
 the pool runs out of blocks for a running request, the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue with
 num_computed_tokens = 0 (its prompt is now all its tokens so far).
@@ -46,7 +47,6 @@ running requests and every stage has work.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -54,6 +54,7 @@ from jaxllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.spec_decode_stats import SpecDecodingStats
+from jaxllm.core.waiting_queue import WaitingQueue
 from jaxllm.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1  # a token sampled by a step still in flight (the runner fills it in)
@@ -160,7 +161,7 @@ class Scheduler:
                                                cache_config.enable_prefix_caching,
                                                cache_config.prefix_caching_hash_algo)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []  # oldest admission first; preemption takes the last
         self.finished_req_ids: set[str] = set()  # since the previous schedule()
         self._step_id = 0
@@ -272,20 +273,20 @@ class Scheduler:
             req_index += 1
 
     def _schedule_waiting(self, step: "_StepPlan") -> None:
-        """Then waiting requests, first come first served, with their cached prefixes; one whose
-        LoRA adapter would exceed max_loras among the running waits, and later ones go (as
-        vLLM)."""
+        """Then waiting requests in the queue's order, with their cached prefixes; one whose
+        LoRA adapter would exceed max_loras among the running waits, with its siblings (they
+        share it), and later ones go (as vLLM)."""
         loras = ({r.lora_int_id for r in self.running} - {0}
                  if self.max_loras is not None and self.waiting else set())
-        skipped: list[Request] = []
+        skipped = []
         while (self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs
                and len(step.grants) < self.max_seqs_per_step):
-            request = self.waiting[0]
+            request = self.waiting.first()
             if request.num_output_placeholders:  # preempted with a token in flight: recompute
                 break  # only once that token is known (after update_from_output)
             lora = request.lora_int_id
             if lora and lora not in loras and len(loras) >= self.max_loras:
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.popleft_group())
                 continue
             num_new_tokens = self._admit(request, step.budget)
             if num_new_tokens is None:
@@ -302,7 +303,7 @@ class Scheduler:
                 request.num_computed_tokens, request.lora_request))
             step.grants.append(self._grant(request, num_new_tokens, step.num_scheduled))
             step.budget -= num_new_tokens
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.extendleft_groups(skipped)
 
     def _admit(self, request: Request, token_budget: int) -> int | None:
         """Gives a waiting request its cached prefix blocks and the blocks of its first grant;

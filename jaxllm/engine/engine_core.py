@@ -99,7 +99,7 @@ class EngineCore:
                            else (params.seed + index) & 0x7FFFFFFF)
             children.append(Request(child_request_id(request_id, index, n), prompt_token_ids,
                                     params, cache_salt=cache_salt, share_group=share_group,
-                                    lora_request=lora_request))
+                                    lora_request=lora_request, parent_request_id=request_id))
         added = []
         try:
             for child in children:
