@@ -165,6 +165,27 @@ def test_reset_prefix_cache_only_when_no_block_is_held():
     assert all(block.block_hash is None for block in manager.block_pool.blocks)
 
 
+def test_a_lookup_is_read_only_and_replicas_can_share_the_hash_seed():
+    """What the DP router relies on: probing a replica's cache changes neither ref counts nor the
+    LRU order, and replicas given one seed find each other's prompts by the same hashes."""
+    manager, other = KVCacheManager(16, BS), KVCacheManager(16, BS)
+    kept, freed = make_request("kept", range(9)), make_request("freed", range(20, 33))
+    admit(manager, kept)
+    admit(manager, freed)
+    manager.free(freed)
+    pool = manager.block_pool
+    before = (pool.free_block_queue.block_ids(), [block.ref_cnt for block in pool.blocks])
+    assert manager.get_computed_blocks(make_request("p", range(9)))[1] == 8
+    assert manager.get_computed_blocks(make_request("q", range(20, 33)))[1] == 12  # free blocks
+    assert (pool.free_block_queue.block_ids(), [block.ref_cnt for block in pool.blocks]) == before
+    probe = make_request("r", range(9))
+    assert other.get_computed_blocks(probe) == ([], 0)  # its own random seed
+    other.share_hash_seed(manager)
+    assert other.block_hashes(make_request("s", range(9))) == manager.block_hashes(kept)
+    with pytest.raises(RuntimeError, match="after blocks were named"):
+        manager.share_hash_seed(other)
+
+
 # -- the scheduler: a randomised run, invariants after every step ------------------------------
 @pytest.mark.parametrize("async_order", [False, True])
 def test_randomised_scheduler_run_keeps_the_pool_invariants(async_order):

@@ -223,6 +223,76 @@ def test_prompt_too_long_names_numbers(client):
     assert "128" in message and "136" in message and "120" in message and "16" in message
 
 
+# -- prefix caching as the API reports it ------------------------------------------------------
+BLOCK_SIZE = 8  # SERVER_ARGS' --block-size
+
+
+def cached_tokens(response) -> int:
+    return response.usage.prompt_tokens_details.cached_tokens
+
+
+def test_completion_reports_cached_tokens_per_cache_salt(server, client):
+    """A repeated prompt reads its full blocks from the cache (all but the last token's, which
+    is always computed); a request under another salt reads none of them."""
+    prompt = random.Random(1717).choices(range(3, 300), k=41)  # in no other test's cache
+    hits = "jaxllm:prefix_cache_hits_total"
+    hits_before = server.wait_idle(20.0)[hits]
+
+    def complete(stream: bool = False, **extra):
+        response = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=2, temperature=0, stream=stream,
+            stream_options={"include_usage": True} if stream else None, extra_body=extra)
+        return list(response)[-1] if stream else response
+
+    assert cached_tokens(complete()) == 0
+    assert cached_tokens(complete()) == 40  # 5 full blocks
+    assert cached_tokens(complete(stream=True)) == 40
+    assert cached_tokens(complete(cache_salt="tenant-a")) == 0
+    assert cached_tokens(complete(cache_salt="tenant-b")) == 0
+    assert cached_tokens(complete(cache_salt="tenant-a")) == 40
+    assert server.wait_idle(20.0)[hits] == hits_before + 3 * 40
+    reset = httpx.post(server.url + "/reset_prefix_cache", headers=server.headers)
+    assert reset.status_code == 200, reset.text
+    assert cached_tokens(complete()) == 0
+
+
+def test_chat_reports_cached_tokens_per_cache_salt(client):
+    messages = [{"role": "system", "content": word_prompts(1717, 1)[0]},
+                {"role": "user", "content": word_prompts(1718, 1)[0]}]
+
+    def chat(stream: bool = False, **extra):
+        response = client.chat.completions.create(
+            model="tiny", messages=messages, max_completion_tokens=2, temperature=0,
+            stream=stream, stream_options={"include_usage": True} if stream else None,
+            extra_body=extra)
+        return list(response)[-1] if stream else response
+
+    # Salts no other request used: the chat template's opening is cached only under no salt.
+    first = chat(cache_salt="chat-a")
+    expected = (first.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert expected >= 2 * BLOCK_SIZE and cached_tokens(first) == 0
+    assert cached_tokens(chat(cache_salt="chat-a")) == expected
+    assert cached_tokens(chat(stream=True, cache_salt="chat-a")) == expected
+    assert cached_tokens(chat(cache_salt="chat-b")) == 0
+    chat()
+    assert cached_tokens(chat()) == expected
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_empty_cache_salt_gets_400(server, path):
+    base = ({"prompt": "hi"} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(server.url + path, json={**base, "max_tokens": 2, "cache_salt": ""},
+                          headers=server.headers)
+    assert response.status_code == 400, response.text
+    assert response.json() == {"error": {
+        "message": "Parameter 'cache_salt' must be a non-empty string if provided.",
+        "type": "BadRequestError", "param": "cache_salt", "code": 400}}
+    wrong_type = httpx.post(server.url + path, json={**base, "cache_salt": 5},
+                            headers=server.headers)
+    assert wrong_type.status_code == 400 and "cache_salt" in wrong_type.json()["error"]["message"]
+
+
 @pytest.fixture(scope="module")
 def hf_log_softmax(tiny_llama_dir):
     """The reference: HF transformers' log_softmax over the next token at every position."""

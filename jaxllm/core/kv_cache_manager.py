@@ -66,10 +66,20 @@ class KVCacheManager:
                                             extra))
         return hashes
 
+    def share_hash_seed(self, other: KVCacheManager) -> None:
+        """Names blocks with `other`'s first parent hash from now on, so that one prompt's hashes
+        hold in both (the DP replicas of one engine: their router hashes a prompt once).
+        Only before any block is named, or the blocks named so far would never hit."""
+        if self.block_pool.cached_block_hash_to_block:
+            raise RuntimeError("share_hash_seed after blocks were named")
+        self.hash_fn, self.none_hash = other.hash_fn, other.none_hash
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks that starts the request's tokens, short of its last
         token, and how many tokens they hold. A request that asks for prompt logprobs needs
-        every prompt position's logits, so it reads nothing (as vLLM)."""
+        every prompt position's logits, so it reads nothing (as vLLM). Read only: neither ref
+        counts nor the free queue's order change until allocate_slots takes the blocks, so
+        the DP router may probe every replica with it."""
         if not self._caches(request) or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -3,10 +3,17 @@ its own [1, TP] row of the mesh, behind one front end with EngineCore's interfac
 with expert parallelism instead get DP attention: see builder.make_engine and
 core/dp_scheduler.py.)
 
-A new request goes to the replica with the fewest unfinished requests (ties: lowest rank); its
-children (n > 1) stay together, so prefix blocks and seeds behave as on one engine. `step()`
-steps every busy replica in its own thread: each replica's jitted step runs on its own devices
-and JAX releases the GIL while it waits for them, so the replicas' steps overlap.
+A new request goes to the replica that holds the longest cached prefix of its prompt, among
+those whose load (unfinished requests) is within max(4, max_num_seqs // 4) of the least loaded;
+ties go to the less loaded, then the lower rank. A prefix hit saves its prefill, but a replica
+much busier than the others would delay the request more than recomputing saves, and sending
+every request of a popular prefix to one replica would leave the others idle. The replicas name
+blocks with one hash seed (they are one engine; the seed keeps apart engines, not replicas), so
+a prompt is hashed once and each replica only looks the hashes up, read only. The children of a
+request (n > 1) stay together, so prefix blocks and seeds behave as on one engine.
+
+`step()` steps every busy replica in its own thread: each replica's jitted step runs on its own
+devices and JAX releases the GIL while it waits for them, so the replicas' steps overlap.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from jaxllm.config import EngineConfig
+from jaxllm.core.request import Request
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sharding.mesh import make_mesh, replica_meshes
@@ -36,30 +44,49 @@ class DPEngine:
             log(f"DP rank {rank}: devices {[d.id for d in replica_mesh.devices.flat]}")
             self.replicas.append(build_engine_core(replica_config, log, replica_mesh))
         first = self.replicas[0]
+        self._kv_managers = [r.scheduler.kv_cache_manager for r in self.replicas]
+        for kv in self._kv_managers[1:]:
+            kv.share_hash_seed(self._kv_managers[0])
+        self._load_slack = max(4, config.scheduler_config.max_num_seqs // 4)
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.model_name, self.eos_token_ids = first.model_name, first.eos_token_ids
         self.vocab_size, self.config = first.vocab_size, config
         self._replica_of: dict[str, int] = {}  # unfinished request id -> DP rank
+        self._loads = [0] * len(self.replicas)  # unfinished requests per DP rank
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas))
-
-    def _load(self, rank: int) -> int:
-        return sum(1 for r in self._replica_of.values() if r == rank)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, prompt: str | None = None,
                     cache_salt: str | None = None, lora_request=None) -> None:
         if request_id in self._replica_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        rank = min(range(len(self.replicas)), key=self._load)
+        # The replica checks again; the ids are checked first so that hashing never meets a
+        # bad one.
+        self.replicas[0].input_processor.process(prompt_token_ids)
+        rank = self._route(Request(request_id, prompt_token_ids, sampling_params,
+                                   cache_salt=cache_salt, lora_request=lora_request))
         self.replicas[rank].add_request(request_id, prompt_token_ids, sampling_params, prompt,
                                         cache_salt, lora_request)
         self._replica_of[request_id] = rank
+        self._loads[rank] += 1
+
+    def _route(self, probe: Request) -> int:
+        """The DP rank for a new request (see the module's docstring)."""
+        bound = min(self._loads) + self._load_slack
+        eligible = [rank for rank, load in enumerate(self._loads) if load <= bound]
+        if len(eligible) == 1:
+            return eligible[0]
+        # The probe's block hashes are computed by the first lookup and reused by the rest.
+        cached = {rank: self._kv_managers[rank].get_computed_blocks(probe)[1]
+                  for rank in eligible}
+        return min(eligible, key=lambda rank: (-cached[rank], self._loads[rank], rank))
 
     def abort_request(self, request_ids) -> None:
         for request_id in request_ids:
             rank = self._replica_of.pop(request_id, None)
             if rank is not None:
                 self.replicas[rank].abort_request([request_id])
+                self._loads[rank] -= 1
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
@@ -72,8 +99,8 @@ class DPEngine:
         busy = [r for r in self.replicas if r.has_unfinished_requests()]
         outputs = [out for outs in self._pool.map(lambda r: r.step(), busy) for out in outs]
         for out in outputs:
-            if out.finished:
-                self._replica_of.pop(out.request_id, None)
+            if out.finished and out.request_id in self._replica_of:
+                self._loads[self._replica_of.pop(out.request_id)] -= 1
         return outputs
 
     def get_stats(self) -> dict:
@@ -81,7 +108,7 @@ class DPEngine:
         per_replica = [r.get_stats() for r in self.replicas]
         stats = {k: _sum([s[k] for s in per_replica]) for k in per_replica[0]}
         stats["kv_cache_usage"] = stats["kv_cache_usage"] / len(per_replica)
-        stats["dp_num_unfinished"] = [self._load(i) for i in range(len(self.replicas))]
+        stats["dp_num_unfinished"] = list(self._loads)
         return stats
 
 
