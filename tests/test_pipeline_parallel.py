@@ -18,16 +18,12 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIGS, CompileCounter, save_random_checkpoint
+from test_sharding import TINY_MOE
 
 NUM_DEVICES = 8
 MAX_TOKENS = 8
 LLAMA4 = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
-MOE4 = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=96,
-            hidden_size=32, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-            head_dim=16, intermediate_size=40, moe_intermediate_size=24, num_experts=8,
-            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-            max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-            tie_word_embeddings=False)
+MOE4 = dict(TINY_MOE, num_hidden_layers=4)
 PP2 = dict(pipeline_parallel_size=2)
 # (name, engine kwargs, VLLM_PP_LAYER_PARTITION) per model; the first is the one-device reference
 LLAMA_RUNS = [("pp1", {}, None), ("pp2", PP2, None),
