@@ -86,6 +86,29 @@ def test_no_compilation_after_warmup(minilm):
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
 
 
+def test_batches_overlap_and_an_aborted_request_in_flight_is_dropped(minilm, st_reference):
+    """Several batches: each step launches the next before finishing the one in flight, and the
+    embeddings are those of one prompt at a time; a request aborted while its batch runs gets no
+    output."""
+    from jaxllm.pooling_params import PoolingParams
+
+    engine = minilm.llm_engine
+    texts = ["A short one.", "The quick brown fox jumps over the lazy dog.", "東京は晴れ", "x y z"]
+    ids = [minilm.input_processor.process(t).token_ids for t in texts]
+    want = st_reference.encode(texts, convert_to_numpy=True)
+    for i in range(24):  # 8 rows per step: three batches
+        engine.add_request(f"r{i}", ids[i % 4], PoolingParams(task="embed"))
+    assert engine.step() == []  # the first batch is launched, not finished
+    engine.abort_request(["r3"])  # in flight
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    got = {o.request_id: o.outputs.data for o in outputs}
+    assert sorted(got, key=lambda r: int(r[1:])) == [f"r{i}" for i in range(24) if i != 3]
+    for request_id, embedding in got.items():
+        assert cosines(embedding[None], want[int(request_id[1:]) % 4][None])[0] > 0.99999
+
+
 def test_too_long_and_truncation(minilm):
     ids = list(range(1000, 1513))  # 513 tokens
     with pytest.raises(ValueError, match=r"longer than the maximum model length of 512"):

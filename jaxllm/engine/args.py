@@ -33,7 +33,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
-    # None: max(2048, max_num_seqs) on GPU; max(512, max_num_seqs) on CPU, where compiling the
+    # None: max(2048, max_num_seqs) on GPU, 32768 for pooling models (vLLM's defaults: a pooling
+    # step has no decodes to keep fast); max(512, max_num_seqs) on CPU, where compiling the
     # larger token buckets of an unrolled model takes minutes
     max_num_batched_tokens: int | None = None
     block_size: int = 16
@@ -74,7 +75,6 @@ class EngineArgs:
         get_hash_fn(self.prefix_caching_hash_algo)  # an unknown or uninstalled one fails now
         model_config, pooler_config = self._model_config()
         speculative = self._speculative_config()
-        default_tokens = 2048 if jax.default_backend() == "gpu" else 512
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -87,7 +87,8 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=(self.max_num_batched_tokens
-                                        or max(default_tokens, self.max_num_seqs)),
+                                        or max(_default_batched_tokens(pooler_config),
+                                               self.max_num_seqs)),
                 max_model_len=model_config.max_model_len),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -184,6 +185,12 @@ def _as_pooler_config(value: PoolerConfig | dict | str | None) -> PoolerConfig |
         return PoolerConfig(**value)
     except TypeError as error:
         raise ValueError(f"Invalid pooler_config: {error}") from None
+
+
+def _default_batched_tokens(pooler_config: PoolerConfig | None) -> int:
+    if jax.default_backend() != "gpu":
+        return 512
+    return 2048 if pooler_config is None else 32768
 
 
 def _check_quantization(config: EngineConfig) -> None:

@@ -3,7 +3,9 @@ abort_request), so that LLM and AsyncLLM drive it as they drive generation.
 
 One iteration schedules a batch of whole prompts, runs the pooling step, and finishes every
 request in it: what the request asks on top of the model's pooled output (Matryoshka
-truncation, normalisation, softmax) is applied here, on the host, per request.
+truncation, normalisation, softmax) is applied here, on the host, per request. While requests
+wait, an iteration launches the next batch before it collects the previous one, so the host's
+work on both (padding the inputs, the transfer and finishing the outputs) overlaps the device's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class PoolingEngine:
         self.scheduler = PoolingScheduler(self.max_model_len, runner.shapes)
         self.input_processor = InputProcessor(None, self.max_model_len, vocab_size)  # ids only
         self.prompt_tokens_total = 0
+        self._in_flight: tuple[list[PoolingRequest], object] | None = None
+        self._aborted_in_flight: set[str] = set()
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -79,18 +83,29 @@ class PoolingEngine:
 
     def abort_request(self, request_ids) -> None:
         self.scheduler.abort(request_ids)
+        if self._in_flight is not None:
+            in_flight = {r.request_id for r in self._in_flight[0]}
+            self._aborted_in_flight.update(i for i in request_ids if i in in_flight)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> list[PoolingRequestOutput]:
+        """Launches the next batch, then finishes the one launched before (or this one, when
+        nothing waits behind it)."""
         batch = self.scheduler.schedule()
-        if not batch:
+        launched = (batch, self.runner.launch(batch)) if batch else None
+        done, self._in_flight = self._in_flight, launched
+        if done is None and not self.scheduler.has_unfinished_requests():
+            done, self._in_flight = self._in_flight, None
+        if done is None:
             return []
-        pooled = self.runner.execute(batch)
+        batch, pooled = done[0], self.runner.collect(*done)
+        aborted, self._aborted_in_flight = self._aborted_in_flight, set()
         return [PoolingRequestOutput(r.request_id, PoolingOutput(self._finish(x, r.pooling_params)),
-                                     r.prompt_token_ids) for r, x in zip(batch, pooled)]
+                                     r.prompt_token_ids)
+                for r, x in zip(batch, pooled) if r.request_id not in aborted]
 
     def _finish(self, pooled: np.ndarray, params: PoolingParams) -> np.ndarray:
         """Embeddings: the first `dimensions` values, L2-normalised; class logits: softmax (one

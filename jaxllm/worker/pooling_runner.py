@@ -67,12 +67,15 @@ class PoolingRunner:
                 type_ids[row, start:len(ids)] = 1
         return token_ids, type_ids, lengths
 
-    def execute(self, requests: list[PoolingRequest]) -> list[np.ndarray]:
-        """Each request's pooled output (float32), in order."""
+    def launch(self, requests: list[PoolingRequest]) -> jax.Array:
+        """Dispatches the step; returns its output on device without waiting for it."""
         shape = self.bucket_for(len(requests), max(len(r.prompt_token_ids) for r in requests))
         inputs = self._inputs(requests, *shape)
-        run = self._compiled.get(shape, self._jit)
-        out = np.asarray(jax.device_get(run(self.params, *inputs)))
+        return self._compiled.get(shape, self._jit)(self.params, *inputs)
+
+    def collect(self, requests: list[PoolingRequest], launched: jax.Array) -> list[np.ndarray]:
+        """Waits for a launched step; each request's pooled output (float32), in order."""
+        out = np.asarray(jax.device_get(launched))
         if self.per_token:
             return [out[i, :len(r.prompt_token_ids)] for i, r in enumerate(requests)]
         return list(out[:len(requests)])
