@@ -54,12 +54,13 @@ class Case:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     speculative: bool = False  # n-gram speculation: its greedy tokens equal the plain ones'
+    lora: bool = False  # the second prompt runs with a random rank-16 adapter (multi-LoRA)
 
     @property
     def name(self) -> str:
         features = "".join([f" kv-{self.kv_cache_dtype}" * (self.kv_cache_dtype != "auto"),
                             f" q-{self.quantization}" * (self.quantization is not None),
-                            " ngram" * self.speculative])
+                            " ngram" * self.speculative, " lora" * self.lora])
         return (f"{self.model} {self.dtype} len{self.max_model_len} bs{self.block_size} "
                 f"seqs{self.max_num_seqs} {self.backend} tp{self.tp}{features}")
 
@@ -67,7 +68,7 @@ class Case:
     def group(self) -> tuple:
         """Cases whose greedy tokens must agree."""
         return (self.model, self.dtype, self.max_model_len, self.block_size,
-                self.kv_cache_dtype, self.quantization)
+                self.kv_cache_dtype, self.quantization, self.lora)
 
 
 def gpu_matrix(num_gpus: int) -> list[Case]:
@@ -84,6 +85,9 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
               for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
+    # the LoRA kernels (pallas) against their references (xla)
+    cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, lora=True)
+              for backend in ("pallas", "xla")]
     # the 8B shape: the sizes reported to crash in warm-up, and the default
     big = dict(model="llama-3.1-8b", dtype="bfloat16", max_model_len=2048, block_size=16,
                utilization=0.3, max_num_batched_tokens=None)
@@ -104,6 +108,8 @@ def cpu_matrix() -> list[Case]:
                  backend="xla", **small),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
                  backend="xla", speculative=True, **small),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
+                 backend="xla", lora=True, **small),
             # the Mosaic kernel has no CPU lowering: a case that fails must not end the matrix
             Case(dtype="bfloat16", max_model_len=777, block_size=16, max_num_seqs=2,
                  backend="mosaic", expect_error=True, **small)]
@@ -120,17 +126,18 @@ def run_case(case: Case) -> dict:
     from jaxllm import LLM, SamplingParams
 
     start = time.perf_counter()
+    lora_kwargs, adapter = _lora(case)
     llm = LLM(model=case.model, load_format="dummy", dtype=case.dtype,
               max_model_len=case.max_model_len, block_size=case.block_size,
               max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
               attention_backend=case.backend, tensor_parallel_size=case.tp,
               gpu_memory_utilization=case.utilization, enforce_eager=case.enforce_eager,
               kv_cache_dtype=case.kv_cache_dtype, quantization=case.quantization,
-              speculative_config=NGRAM if case.speculative else None)
+              speculative_config=NGRAM if case.speculative else None, **lora_kwargs)
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts_for(case)], params,
-                           use_tqdm=False)
+                           use_tqdm=False, lora_request=adapter and [None, adapter, None])
     tokens, tops = [], []
     for out in outputs:
         completion = out.outputs[0]
@@ -140,6 +147,21 @@ def run_case(case: Case) -> dict:
     return {"start_s": round(started, 1), "generate_s": round(time.perf_counter() - start
                                                               - started, 1),
             "tokens": tokens, "top_logprobs": tops}
+
+
+def _lora(case: Case):
+    """With case.lora: the engine's LoRA flags and a random adapter saved for this process."""
+    if not case.lora:
+        return {}, None
+    import tempfile
+
+    from jaxllm import LoRARequest
+    from jaxllm.bench import roofline
+    from lora_gpu import save_dummy_adapter
+
+    path = save_dummy_adapter(tempfile.mkdtemp(prefix="gpu_smoke_lora"),
+                              roofline.model_args_of(case.model, "dummy"), 16, 0)
+    return dict(enable_lora=True, max_loras=2, max_lora_rank=16), LoRARequest("smoke", 1, path)
 
 
 # -- the matrix ---------------------------------------------------------------------------------
