@@ -14,7 +14,9 @@ runner, warm-up and prefix cache as they are, and nothing of it outlives a round
 finish every round, so a request the target finishes, aborts or preempts leaves nothing behind;
 their full blocks stay in the draft's prefix cache (LRU), so the next round recomputes only the
 tokens accepted since and the request's last partial block. Rejected drafts need no rollback:
-the next round's prompt simply does not contain them. Correctness does not rest on the drafts
+the next round's prompt simply does not contain them. The price of this simplicity: each round
+re-hashes a request's full blocks (host time linear in its length) and recomputes its last
+partial block; drafting k tokens takes k launches, not one program. Correctness does not rest on the drafts
 (the target verifies them with exact rejection sampling); only the acceptance rate does.
 """
 
