@@ -16,8 +16,9 @@ their full blocks stay in the draft's prefix cache (LRU), so the next round reco
 tokens accepted since and the request's last partial block. Rejected drafts need no rollback:
 the next round's prompt simply does not contain them. The price of this simplicity: each round
 re-hashes a request's full blocks (host time linear in its length) and recomputes its last
-partial block; drafting k tokens takes k launches, not one program. Correctness does not rest on the drafts
-(the target verifies them with exact rejection sampling); only the acceptance rate does.
+partial block; drafting k tokens takes k launches, not one program. Correctness does not rest
+on the drafts (the target verifies them with exact rejection sampling); only the acceptance
+rate does.
 """
 
 from __future__ import annotations
