@@ -1,4 +1,6 @@
-"""One GPU call (~5 min on one H200): what speculative decoding costs and saves.
+"""One GPU call on one H200: what speculative decoding costs and saves.
+
+~5 min for 1-3; 4 builds two more engines (--parts picks what one call runs).
 
     python benchmarks/spec_decode_gpu.py --out DIR          # H200: llama-3.1-8b, dummy bf16
     python benchmarks/spec_decode_gpu.py --out DIR --cpu    # the logic, on the default model
@@ -17,6 +19,12 @@
 3. Throughput at 256 concurrent requests (512 in, 128 out, sampled): speculation off against
    n-gram k = 4 with the default disable_by_batch_size (speculation switches itself off while
    the batch is large).
+4. Batch-1 TPOT with a draft model (method draft_model, k = 4), against plain decode of (2):
+   llama-3.2-1b (dummy bf16, Llama 3's vocabulary; its drafts are unrelated to the target's
+   dummy weights, so nearly all are rejected: what drafting costs), and the target as its own
+   draft (the same dummy weights: every draft accepted, the mechanism's upper bound with the
+   cost of an 8B draft). Each line gives the draft's ms per proposal round (k draft steps for
+   the batch). With --cpu the default model is its own draft.
 Writes DIR/spec_decode_gpu.json and prints one line per measurement.
 """
 
@@ -34,11 +42,13 @@ import numpy as np
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench.spec_decode import spec_decode_metrics
 from jaxllm.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from jaxllm.loader.loader import resolve_model_path
+from jaxllm.spec_decode.proposer import PerRequestProposer
 
 KS = (1, 2, 4, 8)
 
 
-class FixedDrafts:
+class FixedDrafts(PerRequestProposer):
     """Proposes the last token k times: a verification of k drafts every step."""
 
     def __init__(self, k: int) -> None:
@@ -48,7 +58,7 @@ class FixedDrafts:
         return token_ids[-1:] * self.k
 
 
-class ReplayDrafts:
+class ReplayDrafts(PerRequestProposer):
     """Proposes what plain greedy decoding produced after the same tokens."""
 
     def __init__(self, k: int, prompt: list[int], expected: list[int]) -> None:
@@ -67,9 +77,24 @@ def make_llm(args, speculative: dict | None, **kwargs) -> LLM:
     return LLM(**{**engine, **kwargs})
 
 
-def free(llm: LLM) -> None:
-    del llm
+def release_memory() -> None:
+    """After the last reference to an engine is dropped: its device buffers go once the cycles
+    frozen at start-up (the builder's gc.freeze) are collectable again."""
+    gc.unfreeze()
     gc.collect()
+
+
+class TimedProposer:
+    """Wraps a proposer, timing its rounds."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer, self.times = proposer, []
+
+    def propose_batch(self, token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+        start = time.perf_counter()
+        drafts = self.proposer.propose_batch(token_ids)
+        self.times.append(time.perf_counter() - start)
+        return drafts
 
 
 def step_times(llm: LLM, batch: int, context: int, proposers: dict, steps: int) -> dict:
@@ -140,7 +165,19 @@ def acceptance(llm: LLM, before: dict) -> dict | None:
 def run(args) -> dict:
     results: dict = {"model": args.model, "batches": args.batches, "ks": KS}
     prompt = np.random.default_rng(7).integers(0, 1000, 64).tolist()
-    # Plain engine: batch-1 TPOT (its tokens feed the replay proposer), throughput off.
+    expected = run_plain(args, prompt, results)
+    release_memory()
+    if "ngram" in args.parts:
+        run_ngram(args, prompt, expected, results)
+        release_memory()
+    for name, draft in args.drafts.items() if "draft_model" in args.parts else ():
+        run_draft_model(args, name, draft, prompt, expected, results)
+        release_memory()
+    return results
+
+
+def run_plain(args, prompt: list[int], results: dict) -> list[int]:
+    """Plain engine: batch-1 TPOT (its tokens feed the replay proposer), throughput off."""
     llm = make_llm(args, None)
     tpot(llm, prompt, 8)  # its first steps may compile (--cpu runs eager)
     results["tpot_plain_ms"], expected = tpot(llm, prompt, args.tpot_tokens)
@@ -148,8 +185,11 @@ def run(args) -> dict:
     results["throughput_off"] = throughput(llm, args.num_requests, 512, 128)
     print(f"throughput, speculation off: {results['throughput_off']:.0f} output tok/s",
           flush=True)
-    free(llm)
-    # Speculating engine: up to 8 drafts for up to 32 sequences.
+    return expected
+
+
+def run_ngram(args, prompt: list[int], expected: list[int], results: dict) -> None:
+    """Speculating engine: up to 8 drafts for up to 32 sequences."""
     spec = {"method": "ngram", "num_speculative_tokens": max(KS), "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "disable_by_batch_size": max(args.batches) + 1}
     llm = make_llm(args, spec)
@@ -164,15 +204,8 @@ def run(args) -> dict:
         print(f"batch {batch}: step ms " + ", ".join(
             f"k={k} {ms:.2f} ({ms / times[0]:.2f}x)" for k, ms in times.items()), flush=True)
     for name, proposer in (("replay", ReplayDrafts(4, prompt, expected)), ("ngram", ngram)):
-        engine.proposer, before = proposer, engine.get_stats()
-        ms, tokens = tpot(llm, prompt, args.tpot_tokens)
-        results[f"tpot_{name}_ms"] = ms
-        results[f"tpot_{name}_acceptance"] = acceptance(llm, before)
-        results[f"tpot_{name}_same_tokens"] = tokens == expected
-        acc = results[f"tpot_{name}_acceptance"] or {}
-        print(f"batch-1 TPOT, {name} drafts: {ms:.2f} ms ({results['tpot_plain_ms'] / ms:.2f}x "
-              f"faster), mean acceptance length {acc.get('mean_acceptance_length', 0):.2f}, "
-              f"same tokens as plain: {tokens == expected}", flush=True)
+        engine.proposer = proposer
+        tpot_with_drafts(llm, name, prompt, expected, args.tpot_tokens, results)
     engine.proposer = ngram
     engine.scheduler.speculative_config = dataclasses.replace(
         engine.scheduler.speculative_config, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE)
@@ -180,8 +213,35 @@ def run(args) -> dict:
     print(f"throughput, n-gram k=4 (disable_by_batch_size {DEFAULT_DISABLE_BY_BATCH_SIZE}): "
           f"{results['throughput_on']:.0f} output tok/s "
           f"({results['throughput_on'] / results['throughput_off']:.3f} of off)", flush=True)
-    free(llm)
-    return results
+
+
+def run_draft_model(args, name: str, draft: str, prompt: list[int], expected: list[int],
+                    results: dict) -> None:
+    """Batch-1 TPOT with k = 4 drafts from a draft model (an engine of a few buckets: only
+    batch 1 runs)."""
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
+    llm = make_llm(args, spec, max_num_seqs=8, max_num_batched_tokens=512)
+    timed = TimedProposer(llm.llm_engine.proposer)
+    llm.llm_engine.proposer = timed
+    tpot(llm, prompt, 8)  # --cpu runs eager: its first steps compile
+    timed.times.clear()
+    tpot_with_drafts(llm, f"draft_{name}", prompt, expected, args.tpot_tokens, results)
+    results[f"tpot_draft_{name}_round_ms"] = float(np.median(timed.times) * 1e3)
+    print(f"  draft {draft}: {results[f'tpot_draft_{name}_round_ms']:.2f} ms per proposal "
+          "round (median)", flush=True)
+
+
+def tpot_with_drafts(llm: LLM, name: str, prompt: list[int], expected: list[int],
+                     num_tokens: int, results: dict) -> None:
+    before = llm.llm_engine.get_stats()
+    ms, tokens = tpot(llm, prompt, num_tokens)
+    results[f"tpot_{name}_ms"] = ms
+    results[f"tpot_{name}_acceptance"] = acceptance(llm, before)
+    results[f"tpot_{name}_same_tokens"] = tokens == expected
+    acc = results[f"tpot_{name}_acceptance"] or {}
+    print(f"batch-1 TPOT, {name} drafts: {ms:.2f} ms ({results['tpot_plain_ms'] / ms:.2f}x "
+          f"faster), mean acceptance length {acc.get('mean_acceptance_length', 0):.2f}, "
+          f"same tokens as plain: {tokens == expected}", flush=True)
 
 
 def main() -> None:
@@ -189,14 +249,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true",
                         help="the default model (real weights), small sizes: test the logic")
+    parser.add_argument("--parts", default="ngram,draft_model",
+                        help="which of ngram (measurements 1-3) and draft_model (4) to run, "
+                             "beside plain decode (a GPU call too short for all of them)")
     args = parser.parse_args()
+    args.parts = set(args.parts.split(","))
     if args.cpu:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         args.model, args.load_format, args.max_num_batched_tokens = None, "auto", 512
         args.batches, args.steps, args.tpot_tokens, args.num_requests = [1, 4], 3, 24, 16
+        args.drafts = {"self": resolve_model_path(None)}
     else:
         args.model, args.load_format, args.max_num_batched_tokens = "llama-3.1-8b", "dummy", 2048
         args.batches, args.steps, args.tpot_tokens, args.num_requests = [1, 8, 32], 10, 256, 256
+        args.drafts = {"1b": "llama-3.2-1b", "self": args.model}
     os.makedirs(args.out, exist_ok=True)
     results = run(args)
     with open(os.path.join(args.out, "spec_decode_gpu.json"), "w") as f:

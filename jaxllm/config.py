@@ -195,9 +195,9 @@ class PoolerConfig:
 
 
 # -- speculative decoding (vLLM's --speculative-config) ---------------------------------------
-IMPLEMENTED_METHODS = ("ngram",)
+IMPLEMENTED_METHODS = ("ngram", "draft_model")
 # vLLM's methods that jaxllm refuses by name until they land (docs/design.md).
-NOT_IMPLEMENTED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
+NOT_IMPLEMENTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
                            "suffix")
 # Speculation stops for a step whose running batch has at least this many requests. A
 # placeholder until the H200 measurement of benchmarks/spec_decode_gpu.py decides it (the batch
@@ -213,6 +213,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to match
     prompt_lookup_max: int | None = None  # ngram: longest
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # draft_model: the draft's resolved config (EngineArgs builds it, not the JSON)
+    draft_model_config: ModelConfig | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method in NOT_IMPLEMENTED_METHODS:
@@ -229,6 +231,8 @@ class SpeculativeConfig:
                              f"{self.disable_by_batch_size}.")
         if self.method == "ngram":
             self._check_prompt_lookup()
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config needs 'model' for method draft_model.")
 
     def _check_prompt_lookup(self) -> None:
         if self.prompt_lookup_min < 1:
@@ -253,7 +257,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config must be a JSON object, got "
                              f"{type(values).__name__}.")
         values = dict(values)
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"draft_model_config"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"speculative_config does not support {', '.join(unknown)}; "

@@ -40,7 +40,8 @@ def test_config_defaults_as_vllm():
 
 @pytest.mark.parametrize("values, match", [
     ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "'eagle3' is not supported"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "needs 'model' for method draft_model"),
     ({"method": "nope", "num_speculative_tokens": 2}, "Unknown speculative decoding method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be at least"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),

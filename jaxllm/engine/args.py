@@ -6,7 +6,7 @@ import argparse
 import difflib
 import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import jax
 
@@ -74,7 +74,7 @@ class EngineArgs:
         device_memory.size_allocator_pool(self.gpu_memory_utilization)
         get_hash_fn(self.prefix_caching_hash_algo)  # an unknown or uninstalled one fails now
         model_config, pooler_config = self._model_config()
-        speculative = self._speculative_config()
+        speculative = self._speculative_config(model_config)
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -140,14 +140,40 @@ class EngineArgs:
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                           max_cpu_loras=self.max_cpu_loras)
 
-    def _speculative_config(self) -> SpeculativeConfig | None:
+    def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
         if self.speculative_config is None:
             return None
         if self.data_parallel_size > 1 and self.enable_expert_parallel:
             raise ValueError("Speculative decoding with data parallel attention "
                              "(--enable-expert-parallel and data_parallel_size > 1) is not "
                              "supported yet.")
-        return SpeculativeConfig.from_dict(self.speculative_config)
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.method != "draft_model":
+            return spec
+        return replace(spec, draft_model_config=self._draft_model_config(spec, target))
+
+    def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+        """The draft model, loaded as the target (load_format, dtype, seed, max_model_len): read
+        and checked before any weight is loaded."""
+        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
+            raise ValueError("Speculative decoding with a draft model (method draft_model) is not "
+                             "supported with tensor_parallel_size > 1 or data_parallel_size > 1 "
+                             f"yet (got {self.tensor_parallel_size} and "
+                             f"{self.data_parallel_size}).")
+        path = resolve_model_path(spec.model, self.load_format)
+        hf_config = read_hf_config(path, self.load_format)
+        target_vocab, draft_vocab = target.hf_config.get("vocab_size"), hf_config.get("vocab_size")
+        if target_vocab != draft_vocab:
+            raise ValueError(
+                "Target and draft model should have the same vocabulary size. Target model "
+                f"vocab_size={target_vocab}. Draft model vocab_size={draft_vocab}. The draft's "
+                "tokens are the target's: a draft needs the target's tokenizer.")
+        try:
+            return ModelConfig(model=path, hf_config=hf_config, max_model_len=target.max_model_len,
+                               dtype=target.dtype, seed=target.seed,
+                               served_model_name=spec.model)
+        except ValueError as error:
+            raise ValueError(f"Draft model {spec.model!r}: {error}") from None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

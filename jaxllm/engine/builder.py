@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -14,12 +15,15 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine import compilation_cache
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.dp_engine import DPEngine
+from jaxllm.engine.draft_proposer import DraftModelProposer
 from jaxllm.engine.engine_core import EngineCore
 from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
 from jaxllm.engine.pooling_builder import build_pooling_engine
 from jaxllm.lora.host_cache import HostLoRACache
 from jaxllm.models import ModelArgs
 from jaxllm.sharding.mesh import make_mesh
+from jaxllm.spec_decode.ngram_proposer import NgramProposer
+from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.worker import kv_cache
 from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.model_runner import ModelRunner
@@ -52,16 +56,26 @@ def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
 
 def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> EngineCore:
     """TP (and EP within it) runs on `mesh`; a mesh with DP > 1 rows is DP attention: one
-    scheduler and KV pool per rank, one step."""
+    scheduler and KV pool per rank, one step. With a draft model both models are loaded before
+    the KV cache is sized: the draft's pool holds as many blocks as the target's."""
     compilation_cache.enable(config.runner_config.compilation_cache_dir)
     mesh = mesh if mesh is not None else engine_mesh(config)
     dp_size = 1 if mesh is None else mesh.shape["data"]
     sharded = load_for_engine(config, mesh)
+    draft = _load_draft(config, log)
     num_blocks = config.cache_config.num_gpu_blocks_override
-    block_bytes = _block_bytes(config, sharded)
     if num_blocks is None:
+        block_bytes = _block_bytes(config, sharded) + (_block_bytes(*draft) if draft else 0)
         num_blocks = _measure_num_blocks(config, sharded, dp_size, block_bytes)
+    proposer = _make_proposer(config, draft, num_blocks, log)
+    return _assemble_core(config, sharded, dp_size, num_blocks, log, proposer)
+
+
+def _assemble_core(config: EngineConfig, sharded: ShardedModel, dp_size: int, num_blocks: int,
+                   log, proposer: Proposer | None = None, detokenize: bool = True) -> EngineCore:
+    """The KV cache, runner and schedulers of a loaded model, warmed up."""
     cache = config.cache_config
+    block_bytes = _block_bytes(config, sharded)
     kv_cache.check_fits(num_blocks, cache.block_size, config.model_config.max_model_len,
                         block_bytes)
     log(f"Quantization: {config.model_config.quantization or 'none'}; KV cache: {num_blocks} "
@@ -75,8 +89,8 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
                             batch_queue_size=pp if pp > 1 else None)
                   for _ in range(dp_size)]
     loaded = sharded.loaded
-    core = EngineCore(config, runner, schedulers, loaded.tokenizer, set(loaded.eos_token_ids),
-                      loaded.args.vocab_size, num_blocks)
+    core = EngineCore(config, runner, schedulers, loaded.tokenizer if detokenize else None,
+                      set(loaded.eos_token_ids), loaded.args.vocab_size, num_blocks, proposer)
     if not config.runner_config.enforce_eager:
         runner.warmup(progress=log)
     # As vLLM: what start-up allocated leaves the collector's generations, so a full collection
@@ -84,6 +98,39 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
     gc.collect()
     gc.freeze()
     return core
+
+
+def _draft_engine_config(config: EngineConfig) -> EngineConfig:
+    """The draft's engine: the target's settings with the draft model, greedy proposals only
+    (no speculation of its own, no LoRA), scheduled synchronously (a round needs its tokens),
+    prefix caching on whatever the target's (each round re-proposes over the request's tokens;
+    the draft's cache is private, so caching changes no output)."""
+    return replace(config, model_config=config.speculative_config.draft_model_config,
+                   speculative_config=None, lora_config=None,
+                   cache_config=replace(config.cache_config, enable_prefix_caching=True),
+                   runner_config=replace(config.runner_config, async_scheduling=False))
+
+
+def _load_draft(config: EngineConfig, log) -> tuple[EngineConfig, ShardedModel] | None:
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_config = _draft_engine_config(config)
+    log(f"Draft model for speculative decoding: {spec.model}")
+    return draft_config, load_for_engine(draft_config, None)
+
+
+def _make_proposer(config: EngineConfig, draft: tuple[EngineConfig, ShardedModel] | None,
+                   num_blocks: int, log) -> Proposer | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if draft is None:
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max, config.model_config.max_model_len)
+    # The draft engine detokenises nothing: its tokens only become drafts.
+    core = _assemble_core(*draft, 1, num_blocks, log, detokenize=False)
+    return DraftModelProposer(core, spec.num_speculative_tokens)
 
 
 def _kv_cache_dtype(config: EngineConfig, sharded: ShardedModel):

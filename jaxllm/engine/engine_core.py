@@ -31,7 +31,7 @@ from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sample.metadata import check_min_tokens_stop_ids
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.spec_decode.ngram_proposer import NgramProposer
+from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("jaxllm")
@@ -44,7 +44,8 @@ class EngineCore:
     """Built by jaxllm/engine/builder.py: the model loaded, the KV cache sized, warmed up."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, schedulers: list[Scheduler],
-                 tokenizer, eos_token_ids: set[int], vocab_size: int, num_blocks: int) -> None:
+                 tokenizer, eos_token_ids: set[int], vocab_size: int, num_blocks: int,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
         self.runner = runner
         self.scheduler_ranks = schedulers  # one per DP rank (DP attention), else one
@@ -70,7 +71,7 @@ class EngineCore:
         # Steps by tokens scheduled, per ITERATION_TOKENS_BUCKETS upper bound (and one over all).
         self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
-        self.proposer = _make_proposer(config)
+        self.proposer = proposer  # drafts with speculative decoding
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -198,9 +199,8 @@ class EngineCore:
         """Drafts for the requests that got tokens, to verify in the next step (none while the
         batch is too large for speculation to pay)."""
         if self.scheduler.speculation_on():
-            self.scheduler.update_draft_token_ids(
-                {r.request_id: self.proposer.propose(r.all_token_ids)
-                 for r in updated if not r.is_finished()})
+            self.scheduler.update_draft_token_ids(self.proposer.propose_batch(
+                {r.request_id: r.all_token_ids for r in updated if not r.is_finished()}))
 
     def _count_iteration(self, num_tokens: int) -> None:
         self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
@@ -238,14 +238,6 @@ def max_steps_in_flight(config: EngineConfig) -> int:
     if pp > 1:
         return pp
     return 2 if config.runner_config.async_scheduling else 1
-
-
-def _make_proposer(config: EngineConfig) -> NgramProposer | None:
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                         spec.prompt_lookup_max, config.model_config.max_model_len)
 
 
 def _spec_decode_stats(stats) -> dict:

@@ -21,6 +21,11 @@ PRESETS: dict[str, dict] = {
                        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
     "llama-3.1-8b": dict(_LLAMA_31, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    # Llama 3.2 1B: Llama 3's vocabulary, so a draft model for the 8B and 70B.
+    "llama-3.2-1b": dict(_LLAMA_31, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, tie_word_embeddings=True,
+                         rope_scaling=dict(_LLAMA_31_ROPE, factor=32.0)),
     "llama-3.1-70b": dict(_LLAMA_31, hidden_size=8192, intermediate_size=28672,
                           num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
     "qwen3-8b": dict(_QWEN3, architectures=["Qwen3ForCausalLM"], model_type="qwen3",

@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from jaxllm.spec_decode.proposer import PerRequestProposer
 
-class NgramProposer:
+
+class NgramProposer(PerRequestProposer):
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
                  prompt_lookup_max: int, max_model_len: int) -> None:
         self.k = num_speculative_tokens
