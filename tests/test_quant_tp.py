@@ -1,5 +1,5 @@
 """Quantised models with tensor parallelism: FP8 (quantised at load, with and without an FP8 KV
-cache), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
+cache, and an fp8 checkpoint), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
 logprobs of the same quantised model on one device; the int4 K-split layout against the
 unsplit one; the refusals.
 
@@ -34,6 +34,8 @@ RUNS = {  # model -> [(name, engine kwargs)]; the first of each is the one-devic
     "fp8": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
             ("tp4", dict(tensor_parallel_size=4))],
     "fp8_kv": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2))],
+    "fp8_checkpoint": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
+                       ("tp4", dict(tensor_parallel_size=4))],  # KV heads repeated up to 4
     "gptq": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
              ("tp4", dict(tensor_parallel_size=4))],
     "awq": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
@@ -79,6 +81,33 @@ def write_awq(gptq_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+def write_fp8(model_dir: str, out_dir: str) -> str:
+    """The checkpoint with every decoder linear in vLLM's fp8 format: float8_e4m3fn weights and
+    a per-output-channel weight_scale."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from jaxllm.loader.safetensors_io import safetensors_files
+
+    tensors = {}
+    for path in safetensors_files(model_dir):
+        for name, t in load_file(path).items():
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0  # [N, 1]
+                tensors[name] = (t / scale).to(torch.float8_e4m3fn)
+                tensors[name.replace(".weight", ".weight_scale")] = scale.float()
+            else:
+                tensors[name] = t
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
+
+
 # -- the child: every run on 4 devices ------------------------------------------------------
 def _generate(model_dir: str, runs, **common) -> dict:
     from jaxllm import LLM, SamplingParams
@@ -112,13 +141,14 @@ def _step_collectives(model_dir: str, **kwargs) -> dict[str, int]:
     return {k: kinds.count(k) for k in sorted(set(kinds))}
 
 
-def _child_main(llama_dir: str, gptq_dir: str, awq_dir: str) -> None:
+def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str) -> None:
     import jax
 
     assert len(jax.devices()) == NUM_DEVICES, jax.devices()
     results = {
         "fp8": _generate(llama_dir, RUNS["fp8"], quantization="fp8"),
         "fp8_kv": _generate(llama_dir, RUNS["fp8_kv"], quantization="fp8", kv_cache_dtype="fp8"),
+        "fp8_checkpoint": _generate(fp8_dir, RUNS["fp8_checkpoint"]),
         "gptq": _generate(gptq_dir, RUNS["gptq"]),
         "awq": _generate(awq_dir, RUNS["awq"]),
     }
@@ -138,7 +168,8 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
                                    group_size=32, sym=False), str(tmp_path / "awq"))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
-    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, gptq, awq], env=env,
+    fp8 = write_fp8(tiny_llama_dir, str(tmp_path / "fp8"))
+    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, fp8, gptq, awq], env=env,
                           capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
