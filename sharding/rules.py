@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.models.quant import map_out, shard_weight
 from jaxllm.sharding.axes import DATA, TENSOR
 
 T = TENSOR
@@ -87,12 +88,13 @@ class ShardingPlan:
         return _layer_spec(name, ndim, self.kv_sharded, self.expert_parallel)
 
     def param_sharding(self, path: str, shape: tuple[int, ...] | None = None) -> NamedSharding:
-        """The loader's placement hook: each device receives only its own shard of `path`."""
+        """The loader's placement hook: each device receives only its own shard of `path` (for a
+        quantised weight, the sharding of the plain matrix it stands for: quant.shard_weight)."""
         return NamedSharding(self.mesh, self.spec(path, None if shape is None else len(shape)))
 
     def shard_params(self, params: dict) -> dict:
         """Places (or re-places) a params pytree per the rules, repeating KV heads if needed."""
-        out = {k: jax.device_put(v, self.param_sharding(k, v.shape))
+        out = {k: shard_weight(v, self.param_sharding(k, v.shape))
                for k, v in params.items() if k != "layers"}
         out["layers"] = [self._shard_layer(i, layer) for i, layer in enumerate(params["layers"])]
         return out
@@ -102,10 +104,11 @@ class ShardingPlan:
         for name, value in layer.items():
             sharding = self.param_sharding(f"layers.{index}.{name}", value.shape)
             if name in _KV and not self.kv_sharded:
-                column = NamedSharding(self.mesh, P(*([None] * (value.ndim - 1)), T))
-                placed[name] = _expand(value, self.args.num_kv_heads, self.tp, column)
+                column = NamedSharding(self.mesh, P(*([None] * (len(value.shape) - 1)), T))
+                expanded = _expand(value, self.args.num_kv_heads, self.tp)
+                placed[name] = shard_weight(expanded, column)
             else:
-                placed[name] = jax.device_put(value, sharding)
+                placed[name] = shard_weight(value, sharding)
         return placed
 
     # -- KV cache and step ---------------------------------------------------------------------
@@ -132,9 +135,10 @@ class ShardingPlan:
         return model_fn
 
 
-@partial(jax.jit, static_argnums=(1, 2, 3))
-def _expand(w: jax.Array, num_kv_heads: int, tp: int, sharding) -> jax.Array:
-    return jax.lax.with_sharding_constraint(expand_kv_heads(w, num_kv_heads, tp), sharding)
+@partial(jax.jit, static_argnums=(1, 2))
+def _expand(w, num_kv_heads: int, tp: int):
+    """expand_kv_heads over the output axis of a plain or quantised weight."""
+    return map_out(partial(expand_kv_heads, num_kv_heads=num_kv_heads, tp=tp), [w])
 
 
 def expand_kv_heads(w: jax.Array, num_kv_heads: int, tp: int) -> jax.Array:

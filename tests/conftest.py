@@ -122,14 +122,23 @@ def default_model_dir() -> str:
     return resolve()
 
 
-def lower_for_h200(fn, *args):
+def h200_mesh(tensor: int = 0):
+    """An abstract mesh of H200s: none (one device), or `tensor` along the "tensor" axis (the
+    ShapeDtypeStructs of a sharded program name it in their shardings)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    axes = ((tensor,), ("tensor",), (AxisType.Auto,)) if tensor else ((), ())  # as make_mesh's
+    return AbstractMesh(*axes, abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+
+
+def lower_for_h200(fn, *args, mesh=None):
     """Lowers `fn(*args)` (ShapeDtypeStructs) for CUDA on this CPU machine, under an abstract
-    H200, and runs MLIR's verifier on every Triton module a Pallas kernel produces: the GPU's
-    Triton compiler rejects a module that fails it (e.g. an scf.for whose bounds differ in type),
-    which lowering alone never checks."""
+    H200 (or `mesh`, from h200_mesh), and runs MLIR's verifier on every Triton module a Pallas
+    kernel produces: the GPU's Triton compiler rejects a module that fails it (e.g. an scf.for
+    whose bounds differ in type), which lowering alone never checks."""
     import jax
     from jax._src.pallas.triton import lowering
-    from jax.sharding import AbstractDevice, AbstractMesh
 
     lower_module = lowering.lower_jaxpr_to_triton_module
 
@@ -138,8 +147,7 @@ def lower_for_h200(fn, *args):
         result.module.operation.verify()  # raises with the failing op
         return result
 
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    mesh = h200_mesh() if mesh is None else mesh
     lowering.lower_jaxpr_to_triton_module = lower_and_verify
     try:
         with jax.sharding.use_abstract_mesh(mesh):

@@ -207,6 +207,3 @@ def test_quantization_resolution_and_kv_cache_dtype(tmp_path):
     assert ModelConfig("m", {}, quantization="fp8").quantization == "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineArgs(model=config_with(tmp_path), kv_cache_dtype="fp8_e5m2").create_engine_config()
-    with pytest.raises(ValueError, match="one device"):
-        EngineArgs(model=config_with(tmp_path), quantization="fp8",
-                   tensor_parallel_size=2).create_engine_config()

@@ -56,10 +56,11 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     attn, write_kv = attention_backend(config.runner_config.attention_backend)
     load = partial(load_model, model.model, model.dtype, config.load_config.load_format,
                    model.seed, tokenizer=model.tokenizer, quantization=model.quantization)
+    fp8_at_load = model.quantization == "fp8" and "quantization_config" not in model.hf_config
     if mesh is None:
         loaded = load()
         loaded.params = fuse_params(loaded.params, loaded.args.num_kv_heads, free_inputs=True)
-        if model.quantization == "fp8" and "quantization_config" not in model.hf_config:
+        if fp8_at_load:
             loaded.params = quantize_params_fp8(loaded.params)
         return ShardedModel(loaded, loaded.args, partial(forward, args=loaded.args, attn=attn,
                                                          write_kv=write_kv), None)
@@ -75,6 +76,8 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     loaded = load(shardings=plan.param_sharding)
     loaded.params = fuse_params(plan.shard_params(loaded.params), plan.model_args.num_kv_heads,
                                 plan.param_sharding, free_inputs=True)
+    if fp8_at_load:
+        loaded.params = quantize_params_fp8(loaded.params, plan.param_sharding)
     return ShardedModel(loaded, plan.model_args, plan.model_fn(forward, attn, write_kv),
                         plan.kv_cache_sharding, plan.tp)
 

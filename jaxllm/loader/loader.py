@@ -145,7 +145,8 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
                     raise ValueError(f"Weight {name} has shape {host.shape}; the config expects "
                                      f"{expected.get(param)} for {param}.")
                 flat[param] = place(host, dtype, transpose, shardings(param) if shardings else None)
-    for name, weight in quantized.weights() if quantized is not None else ():
+    sharding_of_name = lambda name: shardings(map_hf_name(name)[0]) if shardings else None
+    for name, weight in quantized.weights(sharding_of_name) if quantized is not None else ():
         param = map_hf_name(name)[0]
         if expected.get(param) != weight.shape:
             raise ValueError(f"Quantised weight {name} stands for a {weight.shape} matrix; the "

@@ -16,13 +16,16 @@ Formats, as their writers define them (HF weights are [out, in] = [N, K]):
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxllm.models import ModelArgs
-from jaxllm.models.quant import INT4_CHUNK_ROWS, Fp8Weight, Int4Weight, pack_int4
+from jaxllm.models.quant import (INT4_CHUNK_ROWS, Fp8Weight, Int4Weight, k_shards_of, pack_int4,
+                                 shard_weight)
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +39,10 @@ def check_supported(method: str | None, hf_config: dict, args: ModelArgs,
     """Refuses, before loading, a method this model or jaxllm cannot run, with the reason."""
     if method is None:
         return
-    if tensor_parallel_size > 1:
-        raise ValueError(f"Quantization method {method} runs on one device in jaxllm for now "
-                         f"(tensor_parallel_size=1), got tensor_parallel_size="
-                         f"{tensor_parallel_size}.")
     qconfig = hf_config.get("quantization_config") or {}
     if method in ("gptq", "awq"):
         _check_int4(method, qconfig, args)
+        _check_int4_row_split(method, qconfig, args, tensor_parallel_size)
     elif method == "compressed-tensors":
         _check_compressed_tensors(qconfig)
     elif qconfig and args.num_experts:
@@ -92,6 +92,19 @@ def _check_int4(method: str, qconfig: dict, args: ModelArgs) -> None:
                          "jaxllm; it runs 4-bit Llama/Qwen/Mistral dense checkpoints.")
 
 
+def _check_int4_row_split(method: str, qconfig: dict, args: ModelArgs, tp: int) -> None:
+    """TP splits o_proj's and down_proj's input rows: each device's rows must be whole groups
+    (they share scales and zero points)."""
+    group = qconfig.get("group_size", qconfig.get("q_group_size"))
+    for name, k in (("o_proj", args.q_size), ("down_proj", args.intermediate_size)):
+        if k % tp or (k // tp) % group:
+            raise ValueError(f"The input size is not aligned with the quantized weight shape. "
+                             f"This can be caused by too large tensor parallel size. ({method}: "
+                             f"{name}'s input size {k} split over tensor_parallel_size={tp} "
+                             f"gives {k / tp:g} rows per device, not a multiple of group_size "
+                             f"{group}.)")
+
+
 def _check_compressed_tensors(qconfig: dict) -> None:
     for name, group in (qconfig.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
@@ -101,17 +114,20 @@ def _check_compressed_tensors(qconfig: dict) -> None:
                              "jaxllm reads float8 weights with per-tensor or per-channel scales.")
 
 
-def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dtype):
-    """One linear's checkpoint tensors -> its quantised weight on device, in the [K, *out]
-    storage layout the loader and fuse_params use (before fusion)."""
+def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dtype,
+                 sharding: NamedSharding | None = None):
+    """One linear's checkpoint tensors -> its quantised weight, in the [K, *out] storage layout
+    the loader and fuse_params use (before fusion), placed per `sharding` (the plain matrix's:
+    models/quant.shard_weight; None: the default device)."""
     if "weight" in tensors:
-        return _fp8_weight(tensors)
+        return shard_weight(_fp8_weight(tensors), sharding)
     if method == "gptq":
         q, zeros, scales, g_idx = unpack_gptq(tensors, qconfig)
     else:
         q, zeros, scales = unpack_awq(tensors)
         g_idx = None
-    return int4_weight(q, zeros, scales, g_idx, dtype)
+    return shard_weight(int4_weight(q, zeros, scales, g_idx, dtype, k_shards_of(sharding)),
+                        sharding)
 
 
 def _fp8_weight(tensors: dict[str, np.ndarray]) -> Fp8Weight:
@@ -120,8 +136,7 @@ def _fp8_weight(tensors: dict[str, np.ndarray]) -> Fp8Weight:
     if scale.size not in (1, values.shape[0]):
         raise ValueError(f"weight_scale of {scale.size} values for a [{values.shape[0]}, "
                          f"{values.shape[1]}] weight: only per-tensor and per-channel scales.")
-    scale = np.broadcast_to(scale, (values.shape[0],))
-    return Fp8Weight(jax.device_put(values), jax.device_put(np.ascontiguousarray(scale)))
+    return Fp8Weight(values, np.ascontiguousarray(np.broadcast_to(scale, (values.shape[0],))))
 
 
 def _unpack_rows(packed: np.ndarray) -> np.ndarray:
@@ -170,23 +185,30 @@ def act_order(g_idx: np.ndarray | None, num_groups: int) -> np.ndarray | None:
     return perm.astype(np.int32)
 
 
-def int4_weight(q, zeros, scales, g_idx, dtype) -> Int4Weight:
-    """Host q [K, N] 0..15, zeros and scales [K/g, N] -> Int4Weight on device (K padded to
-    quant_matmul's chunk with zero-scale rows)."""
+def int4_weight(q, zeros, scales, g_idx, dtype, k_shards: int = 1) -> Int4Weight:
+    """Host q [K, N] 0..15, zeros and scales [K/g, N] -> Int4Weight of host arrays: rows in act
+    order, K in k_shards slices (one per device of a row split), each padded to quant_matmul's
+    chunk with zero-scale rows."""
     k, num_groups = q.shape[0], scales.shape[0]
     perm = act_order(g_idx, num_groups)
     if perm is not None:
         q = q[perm]
-    pad = -k % INT4_CHUNK_ROWS
-    group = k // num_groups
-    q = np.pad(q, ((0, pad), (0, 0)))
-    scales = np.pad(np.asarray(scales, np.float32), ((0, pad // group), (0, 0)))
-    zeros = np.pad(zeros, ((0, pad // group), (0, 0)))
+    group, rows = k // num_groups, k // k_shards
+    if k % k_shards or rows % group:
+        raise ValueError(f"K={k} in {k_shards} slices of whole groups of {group} rows: "
+                         f"{k / k_shards:g} rows per slice.")
+    pad = -rows % INT4_CHUNK_ROWS
     if pad % group:
-        raise ValueError(f"K={k} pads to a multiple of {INT4_CHUNK_ROWS} that group {group} does "
-                         f"not divide.")
-    return Int4Weight(jax.device_put(pack_int4(q)), jnp.asarray(scales, dtype),
-                      jax.device_put(zeros), None if perm is None else jax.device_put(perm), k)
+        raise ValueError(f"K={rows} pads to a multiple of {INT4_CHUNK_ROWS} that group {group} "
+                         f"does not divide.")
+
+    def padded(a, pad_rows):  # each slice padded on its own
+        return np.concatenate([np.pad(s, ((0, pad_rows), (0, 0)))
+                               for s in np.split(np.asarray(a), k_shards)])
+
+    scales = padded(np.asarray(scales, np.float32), pad // group).astype(dtype)
+    return Int4Weight(pack_int4(padded(q, pad)), scales, padded(zeros, pad // group), perm, k,
+                      k_shards)
 
 
 class QuantizedLinears:
@@ -207,12 +229,15 @@ class QuantizedLinears:
         self.tensors.setdefault(base, {})[suffix] = host
         return True
 
-    def weights(self):
-        """Yields (checkpoint name of the linear's weight, quantised weight) for each linear."""
+    def weights(self, shardings: Callable[[str], NamedSharding | None]):
+        """Yields (checkpoint name of the linear's weight, quantised weight) for each linear,
+        placed per shardings(checkpoint name of the weight)."""
         if any("input_scale" in t for t in self.tensors.values()):
             logger.info("The checkpoint's static input scales are not used: activations are "
                         "quantised per token.")
         for base, tensors in self.tensors.items():
             if "weight" not in tensors and "qweight" not in tensors:
                 raise ValueError(f"Quantised linear {base} has {sorted(tensors)} but no weight.")
-            yield f"{base}.weight", build_weight(self.method, tensors, self.qconfig, self.dtype)
+            name = f"{base}.weight"
+            yield name, build_weight(self.method, tensors, self.qconfig, self.dtype,
+                                     shardings(name))

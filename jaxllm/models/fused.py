@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.quant import map_out
+from jaxllm.models.quant import map_out, shard_weight
 
 
 def _fuse_layer(layer: dict, num_kv_heads: int) -> dict:
@@ -59,8 +59,7 @@ def fuse_params(params: dict, num_kv_heads: int, sharding_of: Callable | None = 
     for index, layer in enumerate(params["layers"]):
         fused = _fuse(layer, num_kv_heads)
         if sharding_of is not None:
-            fused = {name: jax.device_put(value, sharding_of(f"layers.{index}.{name}",
-                                                             value.shape))
+            fused = {name: shard_weight(value, sharding_of(f"layers.{index}.{name}", value.shape))
                      if name in FUSED_NAMES else value for name, value in fused.items()}
         if free_inputs:
             kept = {id(leaf) for leaf in jax.tree.leaves(fused)}  # a shared act-order perm

@@ -10,15 +10,26 @@ A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one o
              (GPTQ's act order: x's columns are gathered so each group's rows are contiguous).
 `map_out(fn, ws)` applies a layout change of the output axes (models/fused.py's concatenation
 of q/k/v and stacking of gate/up) to plain and quantised weights alike.
+
+Tensor parallelism: `shard_weight(w, sharding)` places a weight per the sharding of the plain
+[K, *out] matrix it stands for (sharding/rules.py's rules): each array's output axes and K axis
+as the plain weight's. FP8 runs on the global arrays (GSPMD partitions the dot, and the
+per-token scale's max over a split K becomes a max all-reduce). Int4 runs the kernel per device
+(shard_map, as attention), so a K split is built into its layout: K in `k_shards` equal slices,
+each padded to the kernel's chunk and packed on its own, a slice per device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import quant_matmul
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
@@ -48,6 +59,10 @@ class Int4Weight:
     zeros: jax.Array  # [Kp // group, *out] uint8
     perm: jax.Array | None = None  # [K] int32: x[:, perm] before the product (act order)
     in_features: int = field(default=0, metadata=dict(static=True))  # K
+    # K's slices (rows of the permuted matrix), each padded to Kp / k_shards on its own
+    k_shards: int = field(default=1, metadata=dict(static=True))
+    # the plain [K, *out] weight's PartitionSpec entries when placed on a mesh, else ()
+    partition: tuple = field(default=(), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -71,24 +86,46 @@ def linear(x: jax.Array, w) -> jax.Array:
 
 
 def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
-    out_shape = w.values.shape[:-1]
+    # values' output axes kept (no reshape to [N, K]): a reshape would merge a split output
+    # axis (w_gate_up's I) with an unsplit one, which GSPMD can only do by gathering
+    out_ndim = w.values.ndim - 1
     xq, x_scale = quantize_fp8_rows(x)
-    y = jax.lax.dot_general(xq, w.values.reshape(-1, x.shape[-1]), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [T, N]
-    y = y * x_scale * w.scale.reshape(-1)
-    return y.astype(x.dtype).reshape(x.shape[0], *out_shape)
+    y = jax.lax.dot_general(xq, w.values, (((1,), (out_ndim,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # [T, *out]
+    y = y * x_scale.reshape(-1, *([1] * out_ndim)) * w.scale
+    return y.astype(x.dtype)
 
 
 def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
-    out_shape = w.qweight.shape[1:]
-    if w.perm is not None:
-        x = x[:, w.perm]
-    x = jnp.pad(x, ((0, 0), (0, 8 * w.qweight.shape[0] - x.shape[1])))
+    if not w.partition:
+        return _int4_local(x, w.qweight, w.scales, w.zeros, w.perm)
+    k_axis, out_axes = w.partition[0], w.partition[1:]
+    rows = P(*w.partition)
+    perm = () if w.perm is None else (w.perm,)
+
+    def local(x, qweight, scales, zeros, *perm):
+        if perm and k_axis is not None:
+            # act order over a K split: a device's packed rows come from anywhere in K, so it
+            # gathers x whole (an all-gather of the activations; without act order x stays split)
+            x = jax.lax.all_gather(x, k_axis, axis=1, tiled=True)
+        y = _int4_local(x, qweight, scales, zeros, *perm)
+        return y if k_axis is None else jax.lax.psum(y, k_axis)
+
+    return jax.shard_map(local, in_specs=(P(None, k_axis), rows, rows, rows) +
+                         (P(k_axis),) * len(perm), out_specs=P(None, *out_axes),
+                         check_vma=False)(x, w.qweight, w.scales, w.zeros, *perm)
+
+
+def _int4_local(x, qweight, scales, zeros, perm=None) -> jax.Array:
+    """One device's product: its rows of the packed matrix (K padded to qweight's rows)."""
+    if perm is not None:
+        x = x[:, perm]
+    x = jnp.pad(x, ((0, 0), (0, 8 * qweight.shape[0] - x.shape[1])))
     matmul = (quant_matmul.int4_matmul if jax.default_backend() == "gpu"
               else quant_matmul.int4_matmul_reference)
     flat = lambda a: a.reshape(a.shape[0], -1)
-    y = matmul(x, flat(w.qweight), flat(w.scales), flat(w.zeros))
-    return y.reshape(x.shape[0], *out_shape)
+    y = matmul(x, flat(qweight), flat(scales), flat(zeros))
+    return y.reshape(x.shape[0], *qweight.shape[1:])
 
 
 def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -117,7 +154,8 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
     if isinstance(w, Int4Weight):
         flat = lambda a: a.reshape(a.shape[0], -1)
         dense = quant_matmul.dequantize_int4(flat(w.qweight), flat(w.scales), flat(w.zeros))
-        dense = dense[:w.in_features]
+        slices = dense.reshape(w.k_shards, -1, dense.shape[1])  # each slice's padding dropped
+        dense = slices[:, :w.in_features // w.k_shards].reshape(w.in_features, -1)
         if w.perm is not None:  # row i of the packed matrix is input row perm[i]
             dense = jnp.zeros_like(dense).at[w.perm].set(dense)
         return dense.reshape(w.shape).astype(dtype)
@@ -132,10 +170,41 @@ def map_out(fn: Callable[..., jax.Array], ws: list):
     if isinstance(first, Fp8Weight):
         values = fn(*(jnp.moveaxis(w.values, -1, 0) for w in ws))
         return Fp8Weight(jnp.moveaxis(values, 0, -1), fn(*(w.scale for w in ws)))
-    if isinstance(first, Int4Weight):
-        return Int4Weight(fn(*(w.qweight for w in ws)), fn(*(w.scales for w in ws)),
-                          fn(*(w.zeros for w in ws)), first.perm, first.in_features)
+    if isinstance(first, Int4Weight):  # a new layout: placed again by shard_weight
+        return dataclasses.replace(first, qweight=fn(*(w.qweight for w in ws)),
+                                   scales=fn(*(w.scales for w in ws)),
+                                   zeros=fn(*(w.zeros for w in ws)), partition=())
     return fn(*ws)
+
+
+def k_shards_of(sharding: NamedSharding | None) -> int:
+    """How many slices a plain weight's sharding splits its K (first) axis into."""
+    spec = () if sharding is None else tuple(sharding.spec)
+    if not spec or spec[0] is None:
+        return 1
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return math.prod(sharding.mesh.shape[name] for name in names)
+
+
+def shard_weight(w, sharding: NamedSharding | None):
+    """Places a weight (its arrays on host or device) per the sharding of the plain [K, *out]
+    matrix it stands for; None: the default device."""
+    if sharding is None:
+        return jax.device_put(w)
+    if not is_quantized(w):
+        return jax.device_put(w, sharding)
+    spec = tuple(sharding.spec) + (None,) * (len(w.shape) - len(sharding.spec))
+    k_axis, out_axes = spec[0], spec[1:]
+    put = lambda a, *s: jax.device_put(a, NamedSharding(sharding.mesh, P(*s)))
+    if isinstance(w, Fp8Weight):  # the scale is per output channel: replicated over a K split
+        return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes))
+    if w.k_shards != k_shards_of(sharding):
+        raise ValueError(f"An int4 weight packed in {w.k_shards} K slices cannot be placed "
+                         f"with K split {k_shards_of(sharding)} ways ({sharding.spec}).")
+    perm = None if w.perm is None else put(w.perm, k_axis)
+    return dataclasses.replace(w, qweight=put(w.qweight, *spec), scales=put(w.scales, *spec),
+                               zeros=put(w.zeros, *spec), perm=perm,
+                               partition=spec if any(a is not None for a in spec) else ())
 
 
 # The projections quantised: attention, the dense MLP, Qwen2-MoE's shared expert. Embedding, LM
@@ -144,15 +213,19 @@ QUANTIZED_NAMES = ("wqkv", "wo", "w_gate_up", "w_down", "shared_gate", "shared_u
                    "shared_down")
 
 
-def quantize_params_fp8(params: dict) -> dict:
+def quantize_params_fp8(params: dict, sharding_of: Callable | None = None) -> dict:
     """Compute-layout params -> FP8 projections, layer by layer; each 16-bit matrix is freed
-    once quantised, so the peak is the 16-bit model plus one layer."""
+    once quantised, so the peak is the 16-bit model plus one layer. sharding_of(path, shape):
+    where each plain matrix lives on a mesh (None: one device)."""
     layers = []
-    for layer in params["layers"]:
+    for index, layer in enumerate(params["layers"]):
         quantized = dict(layer)
         for name in QUANTIZED_NAMES:
             if name in layer and not is_quantized(layer[name]):
-                quantized[name] = quantize_fp8(layer[name])
-                layer[name].delete()
+                plain = layer[name]
+                sharding = None if sharding_of is None else sharding_of(
+                    f"layers.{index}.{name}", plain.shape)
+                quantized[name] = shard_weight(quantize_fp8(plain), sharding)
+                plain.delete()
         layers.append(quantized)
     return {**params, "layers": layers}
