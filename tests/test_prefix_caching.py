@@ -366,3 +366,26 @@ def test_llm_reset_prefix_cache_and_cache_salt(engines):
                         use_tqdm=False)[0].num_cached_tokens == 0
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate([{"prompt_token_ids": prompt, "cache_salt": ""}], use_tqdm=False)
+
+
+def test_dp_attention_ranks_take_requests_where_their_prefix_is_cached():
+    """DP attention's scheduler routes as the DP replicas' router: to the rank holding the
+    prompt's prefix, unless that rank is beyond the load bound (max(4, max_num_seqs // 4))."""
+    from jaxllm.core.dp_scheduler import DPScheduler
+
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=128)
+    ranks = [Scheduler(config, CacheConfig(block_size=8), 64) for _ in range(2)]
+    dp = DPScheduler(ranks)
+    prefix = list(range(100, 132))  # four full blocks
+    dp.add_request(make_request("first", prefix + [7]))
+    dp.schedule()  # admitted on rank 0: its full blocks are named
+    assert dp.rank_of("first") == 0
+    dp.add_request(make_request("other", list(range(200, 210))))  # by load: rank 1
+    dp.add_request(make_request("shared", prefix + [8, 9]))  # loads [1, 1]: the prefix decides
+    assert (dp.rank_of("other"), dp.rank_of("shared")) == (1, 0)
+    for i in range(4):  # the prefix draws them to rank 0 while it is within the bound
+        dp.add_request(make_request(f"more{i}", prefix + [20 + i]))
+        assert dp.rank_of(f"more{i}") == 0
+    assert dp.rank_loads() == [6, 1]  # 6 > 1 + 4: the next one goes to rank 1 after all
+    dp.add_request(make_request("late", prefix + [30]))
+    assert dp.rank_of("late") == 1

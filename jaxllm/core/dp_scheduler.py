@@ -2,9 +2,10 @@
 drives, so that one engine steps every rank in one program (vLLM's DP attention for MoE).
 
 Each rank keeps its own requests and its own block pool, so block ids are local to the rank's
-slice of the KV cache. A new request goes to the rank with the fewest unfinished requests (ties:
-the lowest rank); n > 1 children arrive one by one and are routed one by one, as vLLM's DP
-client routes each child request. Ranks with nothing to do still step, on a padding batch (the
+slice of the KV cache. A new request goes where its prompt's prefix is cached, within a load
+bound (prefix_aware_rank, shared with the DP replicas' router in engine/dp_engine.py); n > 1
+children arrive one by one and are routed one by one, as vLLM's DP client routes each child
+request. Ranks with nothing to do still step, on a padding batch (the
 runner pads every rank to one bucket), because the MoE layers' collectives span all ranks.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 
@@ -38,9 +40,34 @@ class DPSchedulerOutput:
         return set().union(*(out.preempted_req_ids for out in self.ranks))
 
 
+def load_slack(max_num_seqs: int) -> int:
+    """How much busier than the least loaded rank a rank holding a request's prefix may be."""
+    return max(4, max_num_seqs // 4)
+
+
+def prefix_aware_rank(loads: list[int], kv_managers: list[KVCacheManager], probe: Request,
+                      slack: int) -> int:
+    """The rank for a new request: the one holding the longest cached prefix of its prompt among
+    those whose load is within `slack` of the least loaded; ties go to the less loaded, then the
+    lower rank. A prefix hit saves its prefill, but a rank much busier than the others would
+    delay the request more than recomputing saves. The ranks share one hash seed, so the
+    probe's block hashes, computed by the first lookup, hold for every rank (lookups are read
+    only)."""
+    bound = min(loads) + slack
+    eligible = [rank for rank, load in enumerate(loads) if load <= bound]
+    if len(eligible) == 1:
+        return eligible[0]
+    cached = {rank: kv_managers[rank].get_computed_blocks(probe)[1] for rank in eligible}
+    return min(eligible, key=lambda rank: (-cached[rank], loads[rank], rank))
+
+
 class DPScheduler:
     def __init__(self, ranks: list[Scheduler]) -> None:
         self.ranks = ranks
+        self._kv_managers = [rank.kv_cache_manager for rank in ranks]
+        for kv in self._kv_managers[1:]:
+            kv.share_hash_seed(self._kv_managers[0])
+        self._load_slack = load_slack(ranks[0].max_num_seqs)
 
     def rank_loads(self) -> list[int]:
         """Unfinished requests per rank."""
@@ -52,8 +79,8 @@ class DPScheduler:
     def add_request(self, request: Request) -> None:
         if self.rank_of(request.request_id) is not None:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        loads = self.rank_loads()
-        self.ranks[loads.index(min(loads))].add_request(request)
+        rank = prefix_aware_rank(self.rank_loads(), self._kv_managers, request, self._load_slack)
+        self.ranks[rank].add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:

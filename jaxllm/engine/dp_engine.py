@@ -4,12 +4,10 @@ with expert parallelism instead get DP attention: see builder.make_engine and
 core/dp_scheduler.py.)
 
 A new request goes to the replica that holds the longest cached prefix of its prompt, among
-those whose load (unfinished requests) is within max(4, max_num_seqs // 4) of the least loaded;
-ties go to the less loaded, then the lower rank. A prefix hit saves its prefill, but a replica
-much busier than the others would delay the request more than recomputing saves, and sending
-every request of a popular prefix to one replica would leave the others idle. The replicas name
-blocks with one hash seed (they are one engine; the seed keeps apart engines, not replicas), so
-a prompt is hashed once and each replica only looks the hashes up, read only. The children of a
+those whose load (unfinished requests) is within max(4, max_num_seqs // 4) of the least loaded
+(core/dp_scheduler.py: prefix_aware_rank, as DP attention's ranks): sending every request of a
+popular prefix to one replica would leave the others idle. The replicas name blocks with one
+hash seed (they are one engine; the seed keeps apart engines, not replicas). The children of a
 request (n > 1) stay together, so prefix blocks and seeds behave as on one engine.
 
 `step()` steps every busy replica in its own thread: each replica's jitted step runs on its own
@@ -24,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from jaxllm.config import EngineConfig
+from jaxllm.core.dp_scheduler import load_slack, prefix_aware_rank
 from jaxllm.core.request import Request
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -47,7 +46,7 @@ class DPEngine:
         self._kv_managers = [r.scheduler.kv_cache_manager for r in self.replicas]
         for kv in self._kv_managers[1:]:
             kv.share_hash_seed(self._kv_managers[0])
-        self._load_slack = max(4, config.scheduler_config.max_num_seqs // 4)
+        self._load_slack = load_slack(config.scheduler_config.max_num_seqs)
         self.tokenizer, self.max_model_len = first.tokenizer, first.max_model_len
         self.model_name, self.eos_token_ids = first.model_name, first.eos_token_ids
         self.vocab_size, self.config = first.vocab_size, config
@@ -63,23 +62,13 @@ class DPEngine:
         # The replica checks again; the ids are checked first so that hashing never meets a
         # bad one.
         self.replicas[0].input_processor.process(prompt_token_ids)
-        rank = self._route(Request(request_id, prompt_token_ids, sampling_params,
-                                   cache_salt=cache_salt, lora_request=lora_request))
+        probe = Request(request_id, prompt_token_ids, sampling_params, cache_salt=cache_salt,
+                        lora_request=lora_request)
+        rank = prefix_aware_rank(self._loads, self._kv_managers, probe, self._load_slack)
         self.replicas[rank].add_request(request_id, prompt_token_ids, sampling_params, prompt,
                                         cache_salt, lora_request)
         self._replica_of[request_id] = rank
         self._loads[rank] += 1
-
-    def _route(self, probe: Request) -> int:
-        """The DP rank for a new request (see the module's docstring)."""
-        bound = min(self._loads) + self._load_slack
-        eligible = [rank for rank, load in enumerate(self._loads) if load <= bound]
-        if len(eligible) == 1:
-            return eligible[0]
-        # The probe's block hashes are computed by the first lookup and reused by the rest.
-        cached = {rank: self._kv_managers[rank].get_computed_blocks(probe)[1]
-                  for rank in eligible}
-        return min(eligible, key=lambda rank: (-cached[rank], self._loads[rank], rank))
 
     def abort_request(self, request_ids) -> None:
         for request_id in request_ids:
