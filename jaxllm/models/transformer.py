@@ -54,7 +54,7 @@ def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
     return out + layer[b] if b in layer else out
 
 
-def _qkv(layer: dict, h: jax.Array, args: ModelArgs, lora: TokenLoRA | None):
+def _qkv(layer: dict, h: jax.Array, args: ModelArgs, lora: TokenLoRA | None = None):
     """h [T, H] -> q [T, Hq, D], k, v [T, Hkv, D]: one GEMM over the fused wqkv (models/fused.py)."""
     qkv = linear(h, layer["wqkv"])  # [T, Hkv, G + 2, D]
     if lora is not None:
