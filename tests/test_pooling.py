@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIGS, CompileCounter, _randomize
-from jaxllm import LLM
+from lora_fixtures import save_random_peft_adapter
+from jaxllm import LLM, LoRARequest
 from jaxllm.pooling_params import PoolingParams
 
 SENTENCES = [
@@ -209,13 +210,19 @@ def _qwen3(tmp_path, tiny_tokenizer, cls_name: str, **extra) -> str:
     return out
 
 
-def _hf_last_hidden(path: str, texts: list[str], tokenizer):
+def _hf_last_hidden(path: str, texts: list[str], tokenizer, adapter: str | None = None):
+    """HF's last token's final hidden state; with adapter, through PEFT's LoRA layers (unmerged)
+    that PeftModel puts into the causal LM's decoder."""
     import torch
     import transformers
-    hf = transformers.AutoModel.from_pretrained(path).eval()
+    causal = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+        PeftModel.from_pretrained(causal, adapter)
+    decoder = causal.model.eval()
     with torch.no_grad():
-        return np.stack([hf(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, -1].numpy()
-                         for t in texts])
+        return np.stack([decoder(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, -1]
+                         .numpy() for t in texts])
 
 
 def test_qwen3_embedder_equals_hf(tmp_path, tiny_tokenizer):
@@ -230,6 +237,60 @@ def test_qwen3_embedder_equals_hf(tmp_path, tiny_tokenizer):
     short = np.array([o.outputs.embedding for o in short])
     assert short.shape == (3, 16) and cosines(short, reference[:, :16]).min() >= 0.99999
 
+
+
+def test_qwen3_embedder_lora_equals_hf_peft(tmp_path, tiny_tokenizer):
+    """One embed call mixing the base model and two adapters (one on only some modules), with
+    max_loras=1: the adapters take turns in the one slot, and nothing compiles after warm-up."""
+    path = _qwen3(tmp_path, tiny_tokenizer, "Qwen3ForCausalLM")
+    adapters = [
+        save_random_peft_adapter(path, str(tmp_path / "all"), rank=8, lora_alpha=16, seed=1,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj"]),
+        save_random_peft_adapter(path, str(tmp_path / "qv"), rank=4, lora_alpha=8, seed=2,
+                                 target_modules=["q_proj", "v_proj"])]
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters)]
+    llm = LLM(path, runner="pooling", enable_lora=True, max_loras=1, max_lora_rank=8,
+              max_model_len=32, max_num_seqs=4)
+    texts = ["The quick brown fox", "Hello world, how are you today?", "JAX"]
+    order = [(t, k) for k in range(3) for t in range(3)][::-1]  # a1, a0, base; several batches
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        outputs = llm.embed([texts[t] for t, _ in order], lora_request=[loras[k] for _, k in order],
+                            use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    assert counter.count == 0, f"{counter.count} compilations after warm-up"
+    ours = {key: o.outputs.embedding for key, o in zip(order, outputs)}
+    tokenizer = llm.get_tokenizer()
+    for k, lora in enumerate(loras):
+        reference = _hf_last_hidden(path, texts, tokenizer, lora and lora.lora_path)
+        mine = np.array([ours[t, k] for t in range(3)])
+        assert cosines(mine, reference).min() >= 0.99999, k
+        if k:  # the adapter changes the embedding
+            base = np.array([ours[t, 0] for t in range(3)])
+            assert cosines(mine, base).max() < 0.999
+
+
+def test_pooling_batches_keep_within_max_loras_with_the_step_in_flight():
+    from jaxllm.core.pooling_scheduler import PoolingRequest, PoolingScheduler
+    scheduler = PoolingScheduler(32, {16: [1, 4], 32: [1, 4]}, max_loras=1)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    for i, lora in enumerate([None, a, b, a, None]):
+        scheduler.add_request(PoolingRequest(str(i), [5] * 3, PoolingParams(), lora))
+    ids = lambda batch: [r.request_id for r in batch]  # noqa: E731
+    assert ids(scheduler.schedule()) == ["0", "1", "3", "4"]  # b would be a second adapter
+    assert ids(scheduler.schedule(held_loras={1})) == []  # a's step is in flight: b waits
+    assert ids(scheduler.schedule()) == ["2"]
+
+
+def test_lora_on_encoders_is_refused(tmp_path):
+    import transformers
+    path = str(tmp_path / "bert")
+    transformers.BertModel(transformers.BertConfig(**_TINY_BERT)).save_pretrained(path)
+    with pytest.raises(ValueError, match=r"LoRA adapters on encoder models \(BertModel\)"):
+        LLM(path, enable_lora=True, enforce_eager=True)
 
 
 def test_generative_model_refuses_pooling(tiny_llama_dir):

@@ -5,7 +5,9 @@ cache, so the generation scheduler's machinery (blocks, chunking, placeholders, 
 nothing to do here. A step runs a padded batch of `S` rows of length `L`, both from the runner's
 fixed grid (worker/pooling_runner.py: batch_shapes) so that every program is compiled at
 warm-up: the scheduler takes waiting requests in arrival order while the longest prompt's
-length bucket still has room for one more row.
+length bucket still has room for one more row. With LoRA, a step's adapters and those of the
+step still in flight (whose device slots must stay) number at most max_loras: a request that
+would add one more waits for a later step, and the requests behind it go.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ class PoolingRequest:
     request_id: str
     prompt_token_ids: list[int]
     pooling_params: PoolingParams
+    lora_request: object = None  # its LoRA adapter (jaxllm.lora.LoRARequest), or None
+    lora_slot: int = 0  # the device slot of its adapter, set when its step is launched
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
 
 
 def bucket(value: int, buckets: list[int]) -> int:
@@ -28,10 +36,12 @@ def bucket(value: int, buckets: list[int]) -> int:
 
 
 class PoolingScheduler:
-    def __init__(self, max_model_len: int, shapes: dict[int, list[int]]) -> None:
+    def __init__(self, max_model_len: int, shapes: dict[int, list[int]],
+                 max_loras: int | None = None) -> None:
         """shapes: length bucket -> its row-count buckets, ascending (the largest is the most
-        rows a step of that length takes)."""
+        rows a step of that length takes); max_loras: LoRA enabled, its device slots."""
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.shapes = shapes
         self.lengths = sorted(shapes)
         self.waiting: OrderedDict[str, PoolingRequest] = OrderedDict()
@@ -51,15 +61,21 @@ class PoolingScheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
 
-    def schedule(self) -> list[PoolingRequest]:
+    def schedule(self, held_loras: set[int] = frozenset()) -> list[PoolingRequest]:
         """The next batch, oldest first; each request leaves the queue (it finishes in the
-        step that computes it)."""
+        step that computes it). held_loras: the adapter ids of the step in flight."""
         batch, longest = [], 0
+        loras = set(held_loras) - {0}
         for request in self.waiting.values():
+            lora = request.lora_int_id
+            if lora and lora not in loras and len(loras) >= (self.max_loras or 0):
+                continue
             length = bucket(max(longest, len(request.prompt_token_ids)), self.lengths)
             if len(batch) + 1 > self.shapes[length][-1]:
                 break
             batch.append(request)
+            if lora:
+                loras.add(lora)
             longest = max(longest, len(request.prompt_token_ids))
         for request in batch:
             del self.waiting[request.request_id]

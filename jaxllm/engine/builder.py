@@ -19,13 +19,12 @@ from jaxllm.engine.draft_proposer import DraftModelProposer
 from jaxllm.engine.engine_core import EngineCore
 from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
 from jaxllm.engine.pooling_builder import build_pooling_engine
-from jaxllm.lora.host_cache import HostLoRACache
 from jaxllm.models import ModelArgs
 from jaxllm.sharding.mesh import make_mesh
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.worker import kv_cache
-from jaxllm.worker.lora_slots import LoRASlots
+from jaxllm.worker.lora_slots import make_lora_slots
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pipeline import FrontStage, Pipeline
 
@@ -163,7 +162,8 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                        max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
                        lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config),
                        pipeline=_make_pipeline(sharded, allocate),
-                       lora_slots=_lora_slots(config, sharded))
+                       lora_slots=make_lora_slots(config.lora_config, args,
+                                                   sharded.loaded.params["embed"].dtype))
 
 
 def _make_pipeline(sharded: ShardedModel, allocate) -> Pipeline | None:
@@ -176,16 +176,6 @@ def _make_pipeline(sharded: ShardedModel, allocate) -> Pipeline | None:
              for (params, model_fn), plan, layers in zip(sharded.front_stages, plans,
                                                          sharded.kv_layers)]
     return Pipeline(front, plans[-1].mesh)
-
-
-def _lora_slots(config: EngineConfig, sharded: ShardedModel) -> LoRASlots | None:
-    """With LoRA: the device slots (in the model's dtype) over a host cache of adapters."""
-    lora = config.lora_config
-    if lora is None:
-        return None
-    host_cache = HostLoRACache(sharded.args, lora.max_lora_rank, lora.max_cpu_loras)
-    return LoRASlots(host_cache, sharded.args, lora.max_loras, lora.max_lora_rank,
-                     sharded.loaded.params["embed"].dtype)
 
 
 def _spec_runner_args(config: EngineConfig) -> dict:

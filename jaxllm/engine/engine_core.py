@@ -26,6 +26,7 @@ from jaxllm.core.dp_scheduler import DPScheduler
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.input_processor import InputProcessor
+from jaxllm.engine.lora_admin import LoRAAdmin
 from jaxllm.engine.output_processor import OutputProcessor, child_request_id
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
@@ -40,7 +41,7 @@ logger = logging.getLogger("jaxllm")
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-class EngineCore:
+class EngineCore(LoRAAdmin):
     """Built by jaxllm/engine/builder.py: the model loaded, the KV cache sized, warmed up."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, schedulers: list[Scheduler],
@@ -119,31 +120,6 @@ class EngineCore:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         self.input_processor.process(prompt_token_ids)  # the checks LLM and the server ran
-
-    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Loads an adapter into host memory (a no-op when there); raises ValueError naming
-        what is wrong with it, or that LoRA is not enabled."""
-        lora = self.runner.lora
-        if lora is None:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested, but LoRA "
-                             "is not enabled: start the engine with enable_lora=True "
-                             "(--enable-lora).")
-        lora.host_cache.add(lora_request)
-        return True
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Drops an adapter from host memory and its device slot; requests running with it
-        finish with it. False if it was not loaded."""
-        lora = self.runner.lora
-        if lora is None:
-            return False
-        lora.remove(lora_int_id)
-        return lora.host_cache.remove(lora_int_id)
-
-    def list_loras(self) -> set[int]:
-        lora = self.runner.lora
-        return set() if lora is None else set(lora.host_cache.ids())
 
     def abort_request(self, request_ids) -> None:
         for request_id in request_ids:

@@ -13,7 +13,7 @@ from jaxllm.engine.builder import make_engine
 from jaxllm.engine.llm_pooling import PoolingAPI
 from jaxllm.engine.pooling_engine import PoolingEngine
 from jaxllm.engine.input_processor import InputProcessor
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.request import LoRARequest, per_prompt
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -62,7 +62,7 @@ class LLM(PoolingAPI):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"The lengths of prompts ({len(prompts)}) and sampling_params "
                              f"({len(sampling_params)}) must be the same.")
-        lora_requests = _per_prompt(lora_request, len(prompts))
+        lora_requests = per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
             for prompt, params, lora in zip(prompts, sampling_params, lora_requests):
@@ -118,12 +118,3 @@ class LLM(PoolingAPI):
             bar.close()
         return [finished[r] for r in request_ids]
 
-
-def _per_prompt(lora_request, num_prompts: int) -> list:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * num_prompts
-    lora_request = list(lora_request)
-    if len(lora_request) != num_prompts:
-        raise ValueError(f"The lengths of prompts ({num_prompts}) and lora_request "
-                         f"({len(lora_request)}) must be the same.")
-    return lora_request

@@ -7,50 +7,58 @@ from typing import Any, Sequence
 from jaxllm.engine.pooling_engine import PoolingEngine
 from jaxllm.engine.pooling_inputs import (cosine, cross_encoder_score, pair_inputs, pair_params,
                                           prompt_token_ids, score_pairs, truncation_length)
+from jaxllm.lora.request import LoRARequest, per_prompt
 from jaxllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
                             PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxllm.pooling_params import PoolingParams
 
 PoolingPrompt = str | list[int] | dict[str, Any]
+LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class PoolingAPI:
-    """Mixed into LLM; needs its llm_engine, _request_counter, _as_prompt_list, _run_engine."""
+    """Mixed into LLM; needs its llm_engine, _request_counter, _as_prompt_list, _run_engine.
+    lora_request (decoder models, enable_lora=True): one adapter for every prompt, or one (or
+    None) per prompt, as LLM.generate's."""
 
     def embed(self, prompts: PoolingPrompt | Sequence[PoolingPrompt], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
-              ) -> list[EmbeddingRequestOutput]:
-        outputs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              lora_request: LoRARequests = None) -> list[EmbeddingRequestOutput]:
+        outputs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm,
+                             lora_request)
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def classify(self, prompts: PoolingPrompt | Sequence[PoolingPrompt], *,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
-                 ) -> list[ClassificationRequestOutput]:
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 lora_request: LoRARequests = None) -> list[ClassificationRequestOutput]:
         outputs = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens,
-                             use_tqdm)
+                             use_tqdm, lora_request)
         return [ClassificationRequestOutput.from_base(output) for output in outputs]
 
     def encode(self, prompts: PoolingPrompt | Sequence[PoolingPrompt],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-               pooling_task: str = "encode") -> list[PoolingRequestOutput]:
+               pooling_task: str = "encode",
+               lora_request: LoRARequests = None) -> list[PoolingRequestOutput]:
         return self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens,
-                          use_tqdm)
+                          use_tqdm, lora_request)
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """Embedding models: the cosine similarity of the two texts' embeddings; cross-encoders
-        (a classifier with one label): its output on the pair. 1 x N or N x N pairs."""
+        (a classifier with one label): its output on the pair. 1 x N or N x N pairs; every text
+        with lora_request's adapter."""
         texts_1 = [data_1] if isinstance(data_1, str) else list(data_1)
         texts_2 = [data_2] if isinstance(data_2, str) else list(data_2)
         pairs = score_pairs(texts_1, texts_2)
         engine = self._pooling_engine("score")
         if engine.task == "embed":
             embeddings = self._pool(texts_1 + texts_2, pooling_params, "embed",
-                                    truncate_prompt_tokens, use_tqdm)
+                                    truncate_prompt_tokens, use_tqdm, lora_request)
             first, second = embeddings[:len(texts_1)], embeddings[len(texts_1):]
             return [ScoringRequestOutput(second[j].request_id, ScoringOutput(cosine(
                 first[i].outputs.data, second[j].outputs.data)),
@@ -60,7 +68,7 @@ class PoolingAPI:
                   for i, j in pairs]
         outputs = self._run_pooling([ids for ids, _ in inputs],
                                     [pair_params(pooling_params, start) for _, start in inputs],
-                                    use_tqdm)
+                                    use_tqdm, [lora_request] * len(inputs))
         return [ScoringRequestOutput(o.request_id, ScoringOutput(cross_encoder_score(
             o.outputs.data)), o.prompt_token_ids) for o in outputs]
 
@@ -72,7 +80,7 @@ class PoolingAPI:
         return self.llm_engine
 
     def _pool(self, prompts, pooling_params, task: str, truncate_prompt_tokens: int | None,
-              use_tqdm: bool) -> list[PoolingRequestOutput]:
+              use_tqdm: bool, lora_request: LoRARequests) -> list[PoolingRequestOutput]:
         engine = self._pooling_engine(task)
         prompts = self._as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -85,15 +93,17 @@ class PoolingAPI:
             truncate if truncate is not None else params.truncate_prompt_tokens,
             engine.max_model_len)) for prompt, params in zip(prompts, pooling_params)]
         params = [PoolingParams(**{**vars(p), "task": task}) for p in pooling_params]
-        return self._run_pooling(token_ids, params, use_tqdm)
+        return self._run_pooling(token_ids, params, use_tqdm,
+                                 per_prompt(lora_request, len(prompts)))
 
     def _run_pooling(self, token_ids: list[list[int]], params: list[PoolingParams],
-                     use_tqdm: bool) -> list[PoolingRequestOutput]:
+                     use_tqdm: bool, lora_requests: list[LoRARequest | None]
+                     ) -> list[PoolingRequestOutput]:
         request_ids = []
         try:
-            for ids, p in zip(token_ids, params):
+            for ids, p, lora in zip(token_ids, params, lora_requests, strict=True):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, ids, p)
+                self.llm_engine.add_request(request_id, ids, p, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

@@ -1,5 +1,6 @@
 """Builds the engine of a pooling model (`--runner pooling`): an encoder (BERT, RoBERTa, XLM-R)
-or a causal decoder run without a KV cache, its pooler, the bucketed runner, warmed up."""
+or a causal decoder run without a KV cache (with LoRA: its adapter slots), its pooler, the
+bucketed runner, warmed up."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jaxllm.models import ModelArgs, forward, fuse_params, param_shapes
 from jaxllm.models import bert
 from jaxllm.models.padded_attention import decoder_hidden
 from jaxllm.models.pooler import pooling_forward
+from jaxllm.worker.lora_slots import make_lora_slots
 from jaxllm.worker.pooling_runner import PoolingRunner, batch_shapes
 
 logger = logging.getLogger("jaxllm")
@@ -27,16 +29,16 @@ def build_pooling_engine(config: EngineConfig, log=logger.info) -> PoolingEngine
                          "data_parallel_size and pipeline_parallel_size must be 1.")
     classify = model.convert == "classify"
     if architecture(model.hf_config) in bert.ENCODER_ARCHITECTURES:
-        params, hidden_fn, dims = _encoder(config, classify)
+        params, hidden_fn, dims, lora_slots = _encoder(config, classify)
     else:
-        params, hidden_fn, dims = _decoder(config, classify)
+        params, hidden_fn, dims, lora_slots = _decoder(config, classify)
     pooling_type = config.pooler_config.pooling_type
     sched = config.scheduler_config
     runner = PoolingRunner(
         partial(pooling_forward, hidden_fn=hidden_fn, pooling_type=pooling_type,
                 classify=classify), params,
         batch_shapes(model.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens),
-        per_token=pooling_type == "ALL")
+        per_token=pooling_type == "ALL", lora_slots=lora_slots)
     tokenizer = (load_tokenizer(model.tokenizer or model.model)
                  if config.load_config.load_format == "auto" or model.tokenizer else None)
     engine = PoolingEngine(config, runner, tokenizer, **dims)
@@ -58,9 +60,11 @@ def _encoder(config: EngineConfig, classify: bool):
               else load_encoder(model.model, args, dtype))
     params = fuse_params(params, args.num_heads, free_inputs=True)
 
-    def hidden_fn(params, token_ids, token_type_ids, lengths):
+    def hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots):
+        del lora_slots  # LoRA on encoders is refused with the engine's arguments
         return bert.encode(params, token_ids, token_type_ids, lengths, args=args)
-    return params, hidden_fn, dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
+    dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
+    return params, hidden_fn, dims, None
 
 
 def _decoder(config: EngineConfig, classify: bool):
@@ -74,11 +78,14 @@ def _decoder(config: EngineConfig, classify: bool):
     shapes = {k: v for k, v in param_shapes(args).items() if k != "lm_head"}
     if classify:
         shapes["score"] = (args.hidden_size, len(hf.get("id2label") or {}) or hf.get("num_labels", 2))
-    params = load_safetensors(model.model, args, resolve_dtype(model.dtype), shapes=shapes)
+    dtype = resolve_dtype(model.dtype)
+    params = load_safetensors(model.model, args, dtype, shapes=shapes)
     if classify:
         params["classifier_w"] = params.pop("score")
     params = fuse_params(params, args.num_kv_heads, free_inputs=True)
 
-    def hidden_fn(params, token_ids, token_type_ids, lengths):
-        return decoder_hidden(params, token_ids, lengths, args=args, forward=forward)
-    return params, hidden_fn, dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
+    def hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots):
+        return decoder_hidden(params, token_ids, lengths, args=args, forward=forward,
+                              lora_slots=lora_slots)
+    dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
+    return params, hidden_fn, dims, make_lora_slots(config.lora_config, args, dtype)

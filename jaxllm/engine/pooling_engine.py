@@ -6,6 +6,8 @@ request in it: what the request asks on top of the model's pooled output (Matryo
 truncation, normalisation, softmax) is applied here, on the host, per request. While requests
 wait, an iteration launches the next batch before it collects the previous one, so the host's
 work on both (padding the inputs, the transfer and finishing the outputs) overlaps the device's.
+With LoRA (decoder models), each request may name an adapter: a step mixes the base model and up
+to max_loras adapters, and keeps the slots of the step in flight (worker/pooling_runner.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.core.pooling_scheduler import PoolingRequest, PoolingScheduler
 from jaxllm.engine.input_processor import InputProcessor
+from jaxllm.engine.lora_admin import LoRAAdmin
 from jaxllm.engine.pooling_config import check_dimensions
 from jaxllm.outputs import PoolingOutput, PoolingRequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -27,7 +30,7 @@ _SERVED_BY = {"embed": ("embed",), "classify": ("classify",), "score": ("embed",
               "encode": ("embed", "classify")}
 
 
-class PoolingEngine:
+class PoolingEngine(LoRAAdmin):
     def __init__(self, config: EngineConfig, runner: PoolingRunner, tokenizer, *,
                  vocab_size: int, hidden_size: int) -> None:
         self.config = config
@@ -39,7 +42,9 @@ class PoolingEngine:
         self.pooler_config = config.pooler_config
         self.max_model_len = config.model_config.max_model_len
         self.model_name = config.model_config.served_model_name
-        self.scheduler = PoolingScheduler(self.max_model_len, runner.shapes)
+        lora = config.lora_config
+        self.scheduler = PoolingScheduler(self.max_model_len, runner.shapes,
+                                          lora.max_loras if lora else None)
         self.input_processor = InputProcessor(None, self.max_model_len, vocab_size)  # ids only
         self.prompt_tokens_total = 0
         self._in_flight: tuple[list[PoolingRequest], object] | None = None
@@ -51,14 +56,15 @@ class PoolingEngine:
                     cache_salt: str | None = None, lora_request=None) -> None:
         """EngineCore's interface; cache_salt changes nothing here: a pooling request keeps no
         KV that another could share."""
-        if lora_request is not None:
-            raise ValueError("LoRA adapters on pooling models are not supported yet.")
         if not isinstance(pooling_params, PoolingParams):
             raise ValueError("This model is a pooling model (--runner pooling): it embeds, "
                              "classifies and scores, and cannot generate text.")
         self.input_processor.process(prompt_token_ids)  # the checks LLM and the server ran
         params = self._resolve(pooling_params)
-        self.scheduler.add_request(PoolingRequest(request_id, list(prompt_token_ids), params))
+        if lora_request is not None:
+            self.add_lora(lora_request)  # loaded now: a bad adapter is refused here
+        self.scheduler.add_request(PoolingRequest(request_id, list(prompt_token_ids), params,
+                                                  lora_request))
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def _resolve(self, params: PoolingParams) -> PoolingParams:
@@ -94,8 +100,10 @@ class PoolingEngine:
     def step(self) -> list[PoolingRequestOutput]:
         """Launches the next batch, then finishes the one launched before (or this one, when
         nothing waits behind it)."""
-        batch = self.scheduler.schedule()
-        launched = (batch, self.runner.launch(batch)) if batch else None
+        held = self._in_flight[0] if self._in_flight is not None else []
+        batch = self.scheduler.schedule({r.lora_int_id for r in held})
+        launched = ((batch, self.runner.launch(batch, {r.lora_slot for r in held}))
+                    if batch else None)
         done, self._in_flight = self._in_flight, launched
         if done is None and not self.scheduler.has_unfinished_requests():
             done, self._in_flight = self._in_flight, None

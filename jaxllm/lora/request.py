@@ -33,3 +33,15 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+def per_prompt(lora_request: LoRARequest | list | tuple | None, num_prompts: int) -> list:
+    """The offline API's lora_request (one adapter or None for every prompt, or one per prompt)
+    as one entry per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    lora_request = list(lora_request)
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and lora_request "
+                         f"({len(lora_request)}) must be the same.")
+    return lora_request

@@ -33,11 +33,13 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
 
 
 def decoder_hidden(params: dict, token_ids: jax.Array, lengths: jax.Array, *, args: ModelArgs,
-                   forward, implementation: str | None = None) -> jax.Array:
+                   forward, lora_slots: jax.Array | None = None,
+                   implementation: str | None = None) -> jax.Array:
     """A causal decoder's final-normed hidden states [S, L, H] over padded rows token_ids [S, L],
     through the generation model's own `forward`: the padded batch is a ragged batch whose rows
     all start at multiples of L, the "KV cache" each layer writes is just its k and v, and
-    attention is padded_attention over those rows."""
+    attention is padded_attention over those rows. lora_slots [S] (with params["lora"]): each
+    row's LoRA adapter slot, 0 for the base model."""
     num_seqs, max_len = token_ids.shape
     positions = jnp.tile(jnp.arange(max_len, dtype=jnp.int32), num_seqs)
     batch = StepBatch(token_ids=token_ids.reshape(-1), positions=positions,
@@ -45,7 +47,8 @@ def decoder_hidden(params: dict, token_ids: jax.Array, lengths: jax.Array, *, ar
                       block_tables=jnp.zeros((num_seqs, 1), jnp.int32),
                       cu_q_lens=jnp.arange(num_seqs + 1, dtype=jnp.int32) * max_len,
                       kv_lens=lengths, num_seqs=jnp.array([num_seqs], jnp.int32),
-                      logits_indices=jnp.arange(num_seqs, dtype=jnp.int32) * max_len)
+                      logits_indices=jnp.arange(num_seqs, dtype=jnp.int32) * max_len,
+                      lora_slots=None if lora_slots is None else jnp.repeat(lora_slots, max_len))
     no_cache = [(None, None)] * args.num_layers
     attn = partial(_attend_rows, implementation=implementation)
     _, _, hidden = forward(params, no_cache, batch, args=args, attn=attn, write_kv=_keep_kv,

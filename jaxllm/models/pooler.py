@@ -36,10 +36,12 @@ def classifier_head(params: dict, pooled: jax.Array) -> jax.Array:
 
 
 def pooling_forward(params: dict, token_ids: jax.Array, token_type_ids: jax.Array,
-                    lengths: jax.Array, *, hidden_fn, pooling_type: str,
-                    classify: bool) -> jax.Array:
-    """A pooling model's step: hidden_fn(params, token_ids, token_type_ids, lengths) ->
-    [S, L, H] (an encoder, or a decoder through models/padded_attention.py), pooled, and through
-    the classifier head for a classifier: [S, H], [S, labels] or (ALL) [S, L, H], float32."""
-    pooled = pool(hidden_fn(params, token_ids, token_type_ids, lengths), lengths, pooling_type)
+                    lengths: jax.Array, lora_slots: jax.Array | None = None, *, hidden_fn,
+                    pooling_type: str, classify: bool) -> jax.Array:
+    """A pooling model's step: hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots)
+    -> [S, L, H] (an encoder, or a decoder through models/padded_attention.py), pooled, and
+    through the classifier head for a classifier: [S, H], [S, labels] or (ALL) [S, L, H],
+    float32. lora_slots [S]: each row's LoRA adapter slot (None: LoRA off)."""
+    hidden = hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots)
+    pooled = pool(hidden, lengths, pooling_type)
     return classifier_head(params, pooled) if classify else pooled

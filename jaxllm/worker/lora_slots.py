@@ -81,3 +81,12 @@ class LoRASlots:
                           self.stacks[0]["qkv_a"].dtype)
         self.stacks = write_slot(self.stacks, np.int32(1), zeros)
         jax.block_until_ready(self.stacks)
+
+
+def make_lora_slots(lora_config, args: ModelArgs, dtype) -> LoRASlots | None:
+    """With LoRA (a LoRAConfig, else None): the device slots, in `dtype`, over a host cache of
+    adapters."""
+    if lora_config is None:
+        return None
+    host_cache = HostLoRACache(args, lora_config.max_lora_rank, lora_config.max_cpu_loras)
+    return LoRASlots(host_cache, args, lora_config.max_loras, lora_config.max_lora_rank, dtype)

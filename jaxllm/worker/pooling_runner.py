@@ -3,6 +3,9 @@
 Every (rows, length) bucket of the grid (batch_shapes) is compiled at warm-up, so nothing
 compiles while serving. A step's inputs are built in numpy and its output fetched in one
 device-to-host transfer; a request's row is then finished (models/pooler.py says what it holds).
+With LoRA, params["lora"] holds the adapters' device slots and a step's last input is each row's
+slot: adapters are moved into slots before the step launches, by one program for every slot,
+so switching adapters compiles nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxllm.core.pooling_scheduler import PoolingRequest, bucket
+from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.model_runner import token_buckets
 
 logger = logging.getLogger(__name__)
@@ -39,10 +43,12 @@ def batch_shapes(max_model_len: int, max_num_seqs: int,
 
 class PoolingRunner:
     def __init__(self, encode_fn: Callable, params, shapes: dict[int, list[int]],
-                 per_token: bool = False) -> None:
-        """encode_fn(params, token_ids [S, L], token_type_ids [S, L], lengths [S]) -> [S, D]
-        float32 (per_token: [S, L, D], of which a request gets its own tokens)."""
-        self.params = params
+                 per_token: bool = False, lora_slots: LoRASlots | None = None) -> None:
+        """encode_fn(params, token_ids [S, L], token_type_ids [S, L], lengths [S] [, lora_slots
+        [S] with LoRA]) -> [S, D] float32 (per_token: [S, L, D], of which a request gets its own
+        tokens)."""
+        self.lora = lora_slots
+        self.params = params if lora_slots is None else {**params, "lora": lora_slots.stacks}
         self.shapes = shapes
         self.lengths = sorted(shapes)
         self.per_token = per_token
@@ -67,11 +73,27 @@ class PoolingRunner:
                 type_ids[row, start:len(ids)] = 1
         return token_ids, type_ids, lengths
 
-    def launch(self, requests: list[PoolingRequest]) -> jax.Array:
-        """Dispatches the step; returns its output on device without waiting for it."""
+    def launch(self, requests: list[PoolingRequest], busy: set[int] = frozenset()) -> jax.Array:
+        """Dispatches the step; returns its output on device without waiting for it. busy: the
+        LoRA slots of the step in flight, which keep their adapters."""
         shape = self.bucket_for(len(requests), max(len(r.prompt_token_ids) for r in requests))
         inputs = self._inputs(requests, *shape)
+        if self.lora is not None:
+            inputs = (*inputs, self._lora_rows(requests, shape[0], set(busy)))
         return self._compiled.get(shape, self._jit)(self.params, *inputs)
+
+    def _lora_rows(self, requests: list[PoolingRequest], num_rows: int,
+                   busy: set[int]) -> np.ndarray:
+        """Each row's adapter slot (0: the base model, as padding rows), the adapters moved
+        into slots as needed (the scheduler keeps them within max_loras with busy's)."""
+        rows = np.zeros(num_rows, np.int32)
+        for row, request in enumerate(requests):
+            request.lora_slot = self.lora.slot_for(request.lora_request, busy)
+            busy.add(request.lora_slot)
+            rows[row] = request.lora_slot
+        if self.params["lora"] is not self.lora.stacks:
+            self.params = {**self.params, "lora": self.lora.stacks}
+        return rows
 
     def collect(self, requests: list[PoolingRequest], launched: jax.Array) -> list[np.ndarray]:
         """Waits for a launched step; each request's pooled output (float32), in order."""
@@ -80,13 +102,19 @@ class PoolingRunner:
             return [out[i, :len(r.prompt_token_ids)] for i, r in enumerate(requests)]
         return list(out[:len(requests)])
 
+    def _padding_inputs(self, num_rows: int, length: int) -> tuple:
+        inputs = self._inputs([], num_rows, length)
+        return inputs if self.lora is None else (*inputs, self._lora_rows([], num_rows, set()))
+
     def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
         """Compiles every bucket's program (in a thread pool: XLA compiles without the GIL)."""
         start = time.perf_counter()
+        if self.lora is not None:
+            self.lora.warmup()
         shapes = [(rows, length) for length in self.lengths for rows in self.shapes[length]]
         with ThreadPoolExecutor(max(1, min(len(shapes), os.cpu_count() or 1))) as pool:
             futures = {pool.submit(self._jit.lower(self.params,
-                                                   *self._inputs([], *shape)).compile): shape
+                                                   *self._padding_inputs(*shape)).compile): shape
                        for shape in shapes}
             for n, future in enumerate(as_completed(futures), 1):
                 self._compiled[futures[future]] = future.result()
