@@ -52,6 +52,9 @@ class PoolingServing:
         if not is_pooling(self.serving):
             raise OpenAIError(f"The model does not support {endpoint}: it is a generative model; "
                               f"serve a pooling model (--runner pooling).")
+        if self.serving.lora_for(model) is not None:  # offline only so far: never run the base
+            raise OpenAIError(f"LoRA adapters through {endpoint} are not supported yet (offline "
+                              f"LLM.embed(lora_request=...) is).", param="model")
         return name
 
     # -- inputs ---------------------------------------------------------------------------------
