@@ -162,8 +162,15 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                        max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
                        lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config),
                        pipeline=_make_pipeline(sharded, allocate),
-                       lora_slots=make_lora_slots(config.lora_config, args,
-                                                   sharded.loaded.params["embed"].dtype))
+                       lora_slots=_lora_slots(config, sharded))
+
+
+def _lora_slots(config: EngineConfig, sharded: ShardedModel):
+    """The LoRA slots in the model's dtype; None without LoRA (whose pipeline stages, the only
+    place a step's params lack the embedding, it refuses)."""
+    if config.lora_config is None:
+        return None
+    return make_lora_slots(config.lora_config, sharded.args, sharded.loaded.params["embed"].dtype)
 
 
 def _make_pipeline(sharded: ShardedModel, allocate) -> Pipeline | None:
