@@ -251,6 +251,15 @@ def make_llm(model_dir: str, speculative: bool, **kwargs) -> LLM:
     return LLM(model_dir, **{**defaults, **kwargs})
 
 
+def assert_same_outputs(with_spec, without) -> None:
+    """Tokens, finish reasons and cumulative logprobs as without speculation."""
+    assert token_ids(with_spec) == token_ids(without)
+    for a, b in zip(with_spec, without):
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob,
+                                   b.outputs[0].cumulative_logprob, rtol=1e-4)
+
+
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -307,11 +316,7 @@ def test_seeded_sampling_reproduces_the_output_without_speculation(llm_pair):
                              min_tokens=5) for i in range(len(prompts))]
     with_spec, without = (llm_pair[s].generate(prompts, params, use_tqdm=False)
                           for s in (True, False))
-    assert token_ids(with_spec) == token_ids(without)
-    for a, b in zip(with_spec, without):
-        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
-        np.testing.assert_allclose(a.outputs[0].cumulative_logprob,
-                                   b.outputs[0].cumulative_logprob, rtol=1e-4)
+    assert_same_outputs(with_spec, without)
     stats = llm_pair[True].llm_engine.get_stats()
     assert 0 < stats["spec_decode_num_accepted_tokens_total"] < stats[
         "spec_decode_num_draft_tokens_total"]

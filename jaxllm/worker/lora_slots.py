@@ -34,6 +34,11 @@ class LoRASlots:
         self._tick = 0
         self.load_seconds = 0.0  # the last move into a slot (host to device, done)
 
+    def with_stacks(self, params: dict) -> dict:
+        """params carrying the current stacks in params["lora"] (moving an adapter in replaces
+        them: the old arrays are donated)."""
+        return params if params.get("lora") is self.stacks else {**params, "lora": self.stacks}
+
     def slot_for(self, lora_request: LoRARequest | None, busy: set[int]) -> int:
         """The slot holding the request's adapter, moved in if needed; busy: the slots live
         requests use, which must stay."""

@@ -143,7 +143,7 @@ class ModelRunner:
         adapter slot; the stacks ride in params["lora"]."""
         self.pipeline = pipeline
         self.lora = lora_slots
-        self.params = params if lora_slots is None else {**params, "lora": lora_slots.stacks}
+        self.params = params if lora_slots is None else lora_slots.with_stacks(params)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.dp_size = dp_size
@@ -248,8 +248,7 @@ class ModelRunner:
             slot = self.lora.slot_for(new.lora_request, busy)
             states[new.request_id].lora_slot = slot
             busy.add(slot)
-        if self.params["lora"] is not self.lora.stacks:
-            self.params = {**self.params, "lora": self.lora.stacks}
+        self.params = self.lora.with_stacks(self.params)
 
     def _record_histories(self, chunks: list[ScheduledChunk]) -> None:
         """A request admitted on a prefix cache hit starts past tokens no step computes for it;
@@ -475,5 +474,5 @@ class ModelRunner:
         self._run_history([], [], [], [])  # the prefix-hit penalty program, compiled once
         if self.lora is not None:
             self.lora.warmup()
-            self.params = {**self.params, "lora": self.lora.stacks}
+            self.params = self.lora.with_stacks(self.params)
         progress(f"warm-up: done, {time.perf_counter() - start:.1f}s")

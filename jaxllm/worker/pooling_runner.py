@@ -48,7 +48,7 @@ class PoolingRunner:
         [S] with LoRA]) -> [S, D] float32 (per_token: [S, L, D], of which a request gets its own
         tokens)."""
         self.lora = lora_slots
-        self.params = params if lora_slots is None else {**params, "lora": lora_slots.stacks}
+        self.params = params if lora_slots is None else lora_slots.with_stacks(params)
         self.shapes = shapes
         self.lengths = sorted(shapes)
         self.per_token = per_token
@@ -91,8 +91,7 @@ class PoolingRunner:
             request.lora_slot = self.lora.slot_for(request.lora_request, busy)
             busy.add(request.lora_slot)
             rows[row] = request.lora_slot
-        if self.params["lora"] is not self.lora.stacks:
-            self.params = {**self.params, "lora": self.lora.stacks}
+        self.params = self.lora.with_stacks(self.params)
         return rows
 
     def collect(self, requests: list[PoolingRequest], launched: jax.Array) -> list[np.ndarray]:
