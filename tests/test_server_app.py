@@ -121,14 +121,14 @@ def test_slow_senders_are_cut_off_and_the_server_goes_on():
         assert json.loads(payload)["error"] == {
             "message": "The request body did not arrive within 1 seconds.",
             "type": "RequestTimeoutError", "param": None, "code": 408}
-        assert 1 <= closed_after < 3
+        assert 0.9 <= closed_after < 3
         # A head a byte every 0.1 s: closed after 1 s (each byte used to restart no timer).
         answer, closed_after = trickle(port, b"GET /health HTTP/1.1\r\n", b"X-Slow: 1\r\n" * 30)
-        assert answer == b"" and 1 <= closed_after < 3
+        assert answer == b"" and 0.9 <= closed_after < 3
         # A body nobody reads, still trickling after its response: closed after 1 s.
         answer, closed_after = trickle(port, json_post("/health", body).replace(b"POST", b"GET"),
                                        body)
-        assert answer.startswith(b"HTTP/1.1 200 ") and 1 <= closed_after < 3
+        assert answer.startswith(b"HTTP/1.1 200 ") and 0.9 <= closed_after < 3
         # Normal requests, one with its body in two parts within the limit, are served.
         assert httpx.get(url + "/health").status_code == 200
         with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
