@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--workload", help="IN,OUT,PROMPTS of an offline run to profile")
     parser.add_argument("--window", type=int, action="append", help="first step of a window")
@@ -104,7 +105,7 @@ def main() -> None:
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,
               max_num_seqs=256, max_num_batched_tokens=2048,
               enforce_eager=not a.workload,  # a workload's windows must not compile buckets
-              async_scheduling=a.async_scheduling)
+              async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size)
     engine = llm.llm_engine
     results = {}
     if a.workload:

@@ -4,6 +4,10 @@ answer repeats the prompt and (b) plain chat; greedy, and each output checked to
 against the same engine without speculation.
 
     JAX_PLATFORMS=cpu python benchmarks/spec_decode_acceptance.py [--max-tokens 128]
+    python benchmarks/spec_decode_acceptance.py --model FILE.gguf --tpot     # on a GPU
+
+--tpot adds batch-1 time per output token on each workload, each prompt alone, with and without
+speculation (k = 4), after a warm-up pass that compiles every shape the timed pass uses.
 
 One speculating engine serves every k (its proposer's k is lowered; the runner verifies any
 number of drafts up to the configured 5).
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench.spec_decode import spec_decode_metrics
@@ -59,19 +64,34 @@ def stats_delta(after: dict, before: dict) -> dict:
             for k, v in after.items() if k.startswith("spec_decode")}
 
 
+def batch1_tpot_ms(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    """Wall time per output token, generating for each prompt alone (a warm-up pass first)."""
+    for timed in (False, True):
+        start, tokens = time.perf_counter(), 0
+        for p in prompts:
+            out = llm.chat([[{"role": "user", "content": p}]], params, use_tqdm=False)
+            tokens += len(out[0].outputs[0].token_ids)
+        if timed:
+            return (time.perf_counter() - start) * 1e3 / tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--tpot", action="store_true", help="also time batch-1 decode")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     args = parser.parse_args()
-    engine_args = dict(max_model_len=1024, max_num_batched_tokens=256, enforce_eager=True,
+    engine_args = dict(model=args.model, max_model_len=1024, max_num_batched_tokens=256, enforce_eager=True,
                        compilation_cache_dir=None)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     plain = LLM(**engine_args)
     expected = {name: [o.outputs[0].token_ids for o in plain.chat(
         [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)]
         for name, prompts in WORKLOADS.items()}
+    tpot = {name: {"plain": batch1_tpot_ms(plain, prompts, params)}
+            for name, prompts in WORKLOADS.items()} if args.tpot else {}
     del plain
     spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": max(KS),
                                    "prompt_lookup_min": args.prompt_lookup_min,
@@ -90,6 +110,13 @@ def main() -> None:
             print(f"{name:8s} k={k}: acceptance rate {metrics['acceptance_rate']:.1%}, mean "
                   f"acceptance length {metrics['mean_acceptance_length']:.2f}, same tokens as "
                   f"without speculation: {metrics['same_tokens_as_plain']}", flush=True)
+    engine.proposer.k = 4
+    for name, prompts in tpot.items():
+        tpot[name]["ngram k=4"] = batch1_tpot_ms(spec, WORKLOADS[name], params)
+        results[f"{name} batch-1 ms per output token"] = tpot[name]
+        print(f"{name:8s} batch-1 ms per output token: plain {tpot[name]['plain']:.2f}, n-gram "
+              f"k=4 {tpot[name]['ngram k=4']:.2f} "
+              f"({tpot[name]['plain'] / tpot[name]['ngram k=4']:.2f}x)", flush=True)
     print(json.dumps(results))
 
 
