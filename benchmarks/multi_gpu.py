@@ -8,7 +8,8 @@ Per layout, each in its own process (a clean set of devices):
                --output-len 1000`: output tokens/s beside the workload's floor over all devices
 Writes OUT/multi_gpu.json and OUT/multi_gpu.md (a table for the lab log, docs/lab/).
 
-    python benchmarks/multi_gpu.py --out DIR [--num-gpus N] [--only tp1 ppN ...] [--skip-throughput]
+    python benchmarks/multi_gpu.py --out DIR [--num-gpus N] [--only tp1 ppN ...]
+        [--skip-throughput | --skip-latency]
 """
 
 from __future__ import annotations
@@ -92,17 +93,18 @@ def main() -> None:
     parser.add_argument("--num-gpus", type=int, default=None, help="default: every visible GPU")
     parser.add_argument("--only", nargs="+", help="layout names (tp1, tpN, ppN, dpN, tp2xppN)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-latency", action="store_true")
     opts = parser.parse_args()
     num_gpus = opts.num_gpus
-    if num_gpus is None:
-        import jax
-        num_gpus = len(jax.devices())
+    if num_gpus is None:  # not through jax: it would take the GPUs' memory from the runs
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        num_gpus = len(smi.stdout.strip().splitlines())
     os.makedirs(opts.out, exist_ok=True)
     results, rows = {}, []
     for name, sizes in layouts(num_gpus).items():
         if opts.only and name not in opts.only:
             continue
-        latency = run_bench("latency", sizes, opts.out, name)
+        latency = None if opts.skip_latency else run_bench("latency", sizes, opts.out, name)
         throughput = None if opts.skip_throughput else run_bench("throughput", sizes, opts.out,
                                                                   name)
         results[name] = {"sizes": sizes, "latency": latency, "throughput": throughput}
