@@ -106,3 +106,14 @@ def test_importing_jaxllm_leaves_the_pool_to_the_engine():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "0.25"
+
+
+def test_a_dp_replica_sizes_its_kv_cache_on_its_own_device(monkeypatch):
+    """DP replicas are built one after another: the first has filled device 0 when the second
+    measures, so each must read its own device (an H200 pair started DP=2 with 0.002 GiB)."""
+    full = _Device({"bytes_limit": 57 * GIB, "bytes_in_use": 56 * GIB})
+    free = _Device({"bytes_limit": 57 * GIB, "bytes_in_use": 15 * GIB})
+    monkeypatch.setattr(kv_cache.jax, "devices", lambda: [full, free])
+    monkeypatch.setenv(device_memory.FRACTION_ENV, "0.4")
+    assert kv_cache.device_memory_available(0.4, 1 * GIB, free) == 57 * GIB - 8 * GIB - 16 * GIB
+    assert kv_cache.device_memory_available(0.4, 1 * GIB) < 0

@@ -69,7 +69,15 @@ def _child_main(model_dir: str) -> None:
     reference = LLM(model_dir, enable_prefix_caching=False, **ENGINE)
     expected = reference.generate([{"prompt_token_ids": p} for p in prompts.values()], params,
                                   use_tqdm=False)
+    # each replica sizes its KV cache on its own device (rank 0's cache fills device 0 first)
+    from jaxllm.worker import kv_cache
+    measured_on = []
+    kv_cache.device_memory_limit = lambda: 1
+    kv_cache.device_memory_available = (
+        lambda utilization, activations, device=None: measured_on.append(str(device)) or 10**6)
+    LLM(model_dir, data_parallel_size=2, **{**ENGINE, "num_gpu_blocks_override": None})
     print(json.dumps({"ranks": ranks, "loads": loads, "outputs": outputs, "hits": hits,
+                      "measured_on": measured_on, "devices": [str(d) for d in jax.devices()],
                       "loads_after": list(dp._loads),
                       "reference": {rid: list(out.outputs[0].token_ids)
                                     for rid, out in zip(prompts, expected)}}))
@@ -85,6 +93,7 @@ def test_shared_prefix_goes_to_the_replica_that_holds_it_within_the_load_bound(t
                           text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-4000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["measured_on"] == facts["devices"]
     assert facts["ranks"] == {"first": 0, **EXPECTED_RANKS}
     assert facts["loads"] == [6, 1] and facts["loads_after"] == [0, 0]
     outputs = facts["outputs"]

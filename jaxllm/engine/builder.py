@@ -65,7 +65,7 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
     num_blocks = config.cache_config.num_gpu_blocks_override
     if num_blocks is None:
         block_bytes = _block_bytes(config, sharded) + (_block_bytes(*draft) if draft else 0)
-        num_blocks = _measure_num_blocks(config, sharded, dp_size, block_bytes)
+        num_blocks = _measure_num_blocks(config, sharded, dp_size, block_bytes, mesh)
     proposer = _make_proposer(config, draft, num_blocks, log)
     return _assemble_core(config, sharded, dp_size, num_blocks, log, proposer)
 
@@ -195,7 +195,7 @@ def _spec_runner_args(config: EngineConfig) -> dict:
 
 
 def _measure_num_blocks(config: EngineConfig, sharded: ShardedModel, dp_size: int,
-                        block_bytes: int) -> int:
+                        block_bytes: int, mesh) -> int:
     """kv_cache_memory_bytes when given (vLLM's override of the measurement); else on a GPU the
     blocks that fit in the memory gpu_memory_utilization leaves after the weights and a profiled
     step's activations, and on a CPU a fixed budget."""
@@ -205,8 +205,9 @@ def _measure_num_blocks(config: EngineConfig, sharded: ShardedModel, dp_size: in
     if kv_cache.device_memory_limit() is None:
         return max(kv_cache.CPU_KV_CACHE_BYTES // block_bytes, 0)
     probe = _make_runner(config, sharded, dp_size, 2)
-    available = kv_cache.device_memory_available(cache.gpu_memory_utilization,
-                                                 probe.activation_bytes())
+    available = kv_cache.device_memory_available(
+        cache.gpu_memory_utilization, probe.activation_bytes(),
+        None if mesh is None else mesh.devices.flat[0])
     del probe
     return max(int(available // block_bytes), 0)
 

@@ -66,10 +66,12 @@ class DeviceMemoryBudget:
                 f"{gib(self.headroom)}, KV cache {gib(max(self.kv_cache, 0))}")
 
 
-def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes: int) -> int:
-    """Bytes the KV cache may take on the first device (logged with how they were found): the
-    allowed share of its memory, less what is in use (weights) and the step's activation peak."""
-    stats = jax.devices()[0].memory_stats()
+def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes: int,
+                            device=None) -> int:
+    """Bytes the KV cache may take on `device` (default: the first; a DP replica passes its own,
+    as the replicas before it have filled theirs), logged with how they were found: the allowed
+    share of its memory, less what is in use (weights) and the step's activation peak."""
+    stats = (device or jax.devices()[0]).memory_stats()
     budget = kv_cache_budget(stats["bytes_limit"], stats["bytes_in_use"], gpu_memory_utilization,
                              activation_peak_bytes, pool_fraction())
     logger.info(budget.describe())
