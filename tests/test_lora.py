@@ -134,6 +134,11 @@ def test_slots_are_reused_least_recently_used_first(base_and_adapters):
     # all8 was used after qv16, so mlp4rs took qv16's slot
     assert slots.held == [None, adapters["all8"].lora_int_id, adapters["mlp4rs"].lora_int_id]
     assert llm.llm_engine.list_loras() == {1, 2, 3}
+    # the host cache keeps adapters in the slots' layout: moving one in is a copy per array
+    packed = slots.host_cache.get(adapters["mlp4rs"])
+    for name, array in packed.items():
+        assert array.dtype == slots.stacks[0][name].dtype
+        np.testing.assert_array_equal(np.asarray(slots.stacks[1][name][2]), array[1])
 
 
 def test_bad_adapters_and_lora_off_are_refused(base_and_adapters, tmp_path, tiny_llama_dir):

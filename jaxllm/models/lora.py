@@ -60,14 +60,17 @@ def init_stacks(args: ModelArgs, num_slots: int, rank: int, dtype) -> list[dict]
 
 
 def pack_slot(adapter_layers, args: ModelArgs, rank: int,
-              dtype=np.float32) -> list[dict[str, np.ndarray]]:
+              dtype=np.float32) -> dict[str, np.ndarray]:
     """An adapter's per-layer {module: (A [in, r], B [r, out])} as one slot's arrays in the
-    layout init_stacks holds, in `dtype` (the stacks': half the bytes to move for 16 bits)."""
-    packed, shapes = [], slot_shapes(args, rank)
-    for modules in adapter_layers:
-        arrays = {name: np.zeros(shape, dtype) for name, shape in shapes.items()}
+    layout init_stacks holds, every layer's stacked: {name: [L, *slot shape]}, in `dtype` (the
+    stacks': half the bytes to move for 16 bits). One array per name, so that moving a slot in
+    is a few large transfers."""
+    shapes = slot_shapes(args, rank)
+    packed = {name: np.zeros((len(adapter_layers), *shape), dtype)
+              for name, shape in shapes.items()}
+    for layer, modules in enumerate(adapter_layers):
         for group in layer_groups(args):
-            a, b = arrays[f"{group}_a"], arrays[f"{group}_b"]
+            a, b = packed[f"{group}_a"][layer], packed[f"{group}_b"][layer]
             column = 0
             for k, module in enumerate(GROUPS[group]):
                 width = module_shapes(args)[module][1]
@@ -78,8 +81,7 @@ def pack_slot(adapter_layers, args: ModelArgs, rank: int,
                     b[k * rank:k * rank + r, column:column + width] = lora_b
                 column += width
             if group == "qkv":
-                arrays["qkv_b"] = _to_fused_heads(b, args)
-        packed.append(arrays)
+                b[:] = _to_fused_heads(b, args)
     return packed
 
 
@@ -94,11 +96,12 @@ def _to_fused_heads(b: np.ndarray, args: ModelArgs) -> np.ndarray:
 
 
 @partial(jax.jit, donate_argnums=0)
-def write_slot(stacks: list[dict], slot: jax.Array, arrays: list[dict]) -> list[dict]:
-    """stacks with slot `slot` replaced by arrays (in place: the stacks are donated). The slot is
-    a traced index, so every slot shares one program."""
-    return jax.tree.map(lambda stack, value: stack.at[slot].set(value.astype(stack.dtype)),
-                        stacks, arrays)
+def write_slot(stacks: list[dict], slot: jax.Array, arrays: dict) -> list[dict]:
+    """stacks with slot `slot` replaced by arrays ({name: [L, ...]}, pack_slot's; in place: the
+    stacks are donated). The slot is a traced index, so every slot shares one program."""
+    return [{name: stack.at[slot].set(arrays[name][layer].astype(stack.dtype))
+             for name, stack in layer_stacks.items()}
+            for layer, layer_stacks in enumerate(stacks)]
 
 
 def _kernels():

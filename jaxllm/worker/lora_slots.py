@@ -22,11 +22,13 @@ from jaxllm.models.lora import init_stacks, pack_slot, write_slot
 
 
 class LoRASlots:
+    """host_cache keeps adapters packed as pack_slot's arrays in the stacks' dtype."""
+
     def __init__(self, host_cache: HostLoRACache, args: ModelArgs, max_loras: int,
                  max_lora_rank: int, dtype) -> None:
         self.host_cache = host_cache
         self.args = args
-        self.rank = max_lora_rank
+        self.rank, self.dtype = max_lora_rank, dtype
         self.stacks = init_stacks(args, max_loras + 1, max_lora_rank, dtype)  # on device
         self.slot_ids: dict[int, int] = {}  # lora_int_id -> its slot
         self.held: list[int | None] = [None] * (max_loras + 1)  # slot -> lora_int_id
@@ -62,8 +64,7 @@ class LoRASlots:
 
     def _move_in(self, lora_request: LoRARequest, slot: int) -> None:
         start = time.perf_counter()
-        adapter = self.host_cache.get(lora_request)
-        arrays = pack_slot(adapter.layers, self.args, self.rank, self.stacks[0]["qkv_a"].dtype)
+        arrays = self.host_cache.get(lora_request)  # packed when loaded
         self.stacks = write_slot(self.stacks, np.int32(slot), arrays)
         jax.block_until_ready(self.stacks)
         self.load_seconds = time.perf_counter() - start
@@ -82,8 +83,7 @@ class LoRASlots:
 
     def warmup(self) -> None:
         """Compiles write_slot (zeros into slot 1, which holds nothing yet)."""
-        zeros = pack_slot([{}] * self.args.num_layers, self.args, self.rank,
-                          self.stacks[0]["qkv_a"].dtype)
+        zeros = pack_slot([{}] * self.args.num_layers, self.args, self.rank, self.dtype)
         self.stacks = write_slot(self.stacks, np.int32(1), zeros)
         jax.block_until_ready(self.stacks)
 
@@ -93,5 +93,7 @@ def make_lora_slots(lora_config, args: ModelArgs, dtype) -> LoRASlots | None:
     adapters."""
     if lora_config is None:
         return None
-    host_cache = HostLoRACache(args, lora_config.max_lora_rank, lora_config.max_cpu_loras)
+    rank = lora_config.max_lora_rank
+    host_cache = HostLoRACache(args, rank, lora_config.max_cpu_loras, prepare=lambda adapter: (
+        pack_slot(adapter.layers, args, rank, dtype)))
     return LoRASlots(host_cache, args, lora_config.max_loras, lora_config.max_lora_rank, dtype)
