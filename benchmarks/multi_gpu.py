@@ -49,11 +49,14 @@ def _flags(sizes: dict[str, int]) -> list[str]:
             for arg in (f"--{name.replace('_', '-')}", str(size))]
 
 
-def run_bench(kind: str, sizes: dict[str, int], out_dir: str, name: str) -> dict:
-    """One `jaxllm bench` run in its own process; its JSON result, or the error."""
+def run_bench(kind: str, sizes: dict[str, int], out_dir: str, name: str,
+              workload: list[str] | None = None) -> dict:
+    """One `jaxllm bench` run in its own process (workload: its flags, default LATENCY or
+    THROUGHPUT); its JSON result, or the error."""
     out_json = os.path.join(out_dir, f"{name}_{kind}.json")
+    workload = workload or (LATENCY if kind == "latency" else THROUGHPUT)
     command = [sys.executable, "-m", "jaxllm.cli", "bench", kind, *ENGINE, *_flags(sizes),
-               *(LATENCY if kind == "latency" else THROUGHPUT), "--output-json", out_json]
+               *workload, "--output-json", out_json]
     print("$ " + " ".join(command[2:]), file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:

@@ -1,7 +1,7 @@
 """Where TP's batch-1 decode time goes, and which collective settings this XLA/NCCL offers cut it.
 
-Llama-3.1-8B shape, dummy bf16, through `jaxllm bench latency --measure-decode` (as
-multi_gpu.py), each setting in its own process: TP=1, then TP=N under each variant of the
+Llama-3.1-8B shape, dummy bf16, through `jaxllm bench latency --measure-decode` (eager: only
+the shapes used compile; ~1 minute a setting on an H200 pair), each setting in its own process: TP=1, then TP=N under each variant of the
 collective settings below (XLA_FLAGS / NCCL environment added to the process's own). Then a
 profile (benchmarks/profile_decode.py, batch 1) of TP=N with the baseline settings and with the
 fastest variant: GPU time per kernel name, per GPU, against the step's wall time.
@@ -25,6 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multi_gpu import run_bench  # noqa: E402
 
+LATENCY = ["--batch-size", "1", "--input-len", "128", "--output-len", "64", "--num-iters", "1",
+           "--num-iters-warmup", "1", "--measure-decode", "--enforce-eager"]
 COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"
 # name -> (XLA flags added, other environment added)
 VARIANTS = {
@@ -89,14 +91,14 @@ def main() -> None:
     a = parser.parse_args()
     os.makedirs(a.out, exist_ok=True)
     tp = {"tensor_parallel_size": a.num_gpus}
-    results = {"tp1": run_bench("latency", {}, a.out, "tp1")}
+    results = {"tp1": run_bench("latency", {}, a.out, "tp1", LATENCY)}
     for name in a.variants:
-        results[name] = in_env(variant_env(name), run_bench, "latency", tp, a.out, name)
-        step = results[name].get("decode", {}).get("mean_step_ms")
+        results[name] = in_env(variant_env(name), run_bench, "latency", tp, a.out, name, LATENCY)
+        step = results[name].get("decode", {}).get("median_step_ms")
         print(f"TP={a.num_gpus} {name}: {step} ms/step", file=sys.stderr, flush=True)
         with open(os.path.join(a.out, "tp_gpu.json"), "w") as f:
             json.dump(results, f, indent=1)
-    timed = {n: r["decode"]["mean_step_ms"] for n, r in results.items()
+    timed = {n: r["decode"]["median_step_ms"] for n, r in results.items()
              if n != "tp1" and "decode" in r}
     best = min(timed, key=timed.get) if timed else "base"
     with open(os.path.join(a.out, "best.env"), "w") as f:
