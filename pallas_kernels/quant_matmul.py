@@ -10,6 +10,11 @@ The packed layout (loaders convert GPTQ and AWQ checkpoints to it on the host, i
   w[k, n] = (q[k, n] - zeros[k // group, n]) * scales[k // group, n]
 K must be a multiple of 128 and the group a multiple of 16 (GPTQ/AWQ use 32, 64, 128), so each
 16-row slice lies in one group.
+
+Programs: (M tile, N tile, K split). At decode M is a few rows, so the M x N tiles alone are too
+few programs to stream the weights at full bandwidth (the 8B's o projection: 64 tiles for 132
+SMs, each looping over all of K); K is then split into `splits` ranges whose fp32 partial
+products the wrapper sums (deterministic, no atomics). One split writes x's dtype directly.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from jax.experimental.pallas import triton as pltriton
 
 CHUNK_ROWS = 128  # rows of one chunk of 16 words
 _SLICE = 16  # rows per nibble of a chunk
+_TARGET_PROGRAMS = 256  # about two per SM on an H200 (132 SMs)
+_MIN_CHUNKS_PER_SPLIT = 4
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -74,8 +81,9 @@ def _check(x, qweight, scales, zeros) -> int:
     return group
 
 
-def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_m, block_n):
-    m_total, k_total = x_ref.shape
+def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_m, block_n, chunks_per_split):
+    """o_ref [splits, M, N]: this split's x @ w over its K range, for one [BM, BN] tile."""
+    m_total = x_ref.shape[0]
     n_total = q_ref.shape[1]
     rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
     cols = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -97,24 +105,40 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_m, block_n):
             acc += pltriton.dot(xs, w, allow_tf32=False)  # fp32 models get fp32, as the reference
         return acc
 
-    acc = jax.lax.fori_loop(0, k_total // CHUNK_ROWS, chunk,
-                            jnp.zeros((block_m, block_n), jnp.float32))
-    pltriton.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype),
+    split = pl.program_id(2)
+    first = split * chunks_per_split
+    last = jnp.minimum(first + chunks_per_split, x_ref.shape[1] // CHUNK_ROWS)
+    acc = jax.lax.fori_loop(first, last, chunk, jnp.zeros((block_m, block_n), jnp.float32))
+    pltriton.store(o_ref.at[split, rows[:, None], cols[None, :]], acc.astype(o_ref.dtype),
                    mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "interpret"))
+def num_k_splits(m: int, k: int, n: int, block_m: int, block_n: int) -> int:
+    """K splits that bring the programs to about _TARGET_PROGRAMS, each split at least
+    _MIN_CHUNKS_PER_SPLIT chunks long; 1 when the M x N tiles suffice."""
+    tiles = pl.cdiv(m, block_m) * pl.cdiv(n, block_n)
+    chunks = k // CHUNK_ROWS
+    splits = max(1, min(chunks // _MIN_CHUNKS_PER_SPLIT, _TARGET_PROGRAMS // tiles))
+    return pl.cdiv(chunks, pl.cdiv(chunks, splits))  # no split left empty
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "splits", "interpret"))
 def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_n: int = 64,
-                interpret: bool = False) -> jax.Array:
+                splits: int | None = None, interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; same contract as `int4_matmul_reference`. One program: a
-    [block_m, block_n] output tile, looping over K a chunk (16 words, 128 rows) at a time."""
+    [block_m, block_n] output tile over one K split, looping a chunk (16 words, 128 rows) at a
+    time. splits: K splits (default num_k_splits)."""
     group = _check(x, qweight, scales, zeros)
-    m, n = x.shape[0], qweight.shape[1]
+    (m, k), n = x.shape, qweight.shape[1]
     block_m = block_m or (16 if m <= 16 else 64)
-    kernel = functools.partial(_kernel, group=group, block_m=block_m, block_n=block_n)
-    return pl.pallas_call(
-        kernel, grid=(pl.cdiv(m, block_m), pl.cdiv(n, block_n)),
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+    splits = splits or num_k_splits(m, k, n, block_m, block_n)
+    chunks_per_split = pl.cdiv(k // CHUNK_ROWS, splits)
+    kernel = functools.partial(_kernel, group=group, block_m=block_m, block_n=block_n,
+                               chunks_per_split=chunks_per_split)
+    out = pl.pallas_call(
+        kernel, grid=(pl.cdiv(m, block_m), pl.cdiv(n, block_n), splits),
+        out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret, name="int4_matmul",
     )(x, qweight, scales, zeros)
+    return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)

@@ -38,20 +38,34 @@ def test_pack_int4_round_trips_and_matches_its_definition():
         assert (words[c * 16 + r, n] >> (4 * j)) & 0xF == q[c * 128 + j * 16 + r, n]
 
 
-@pytest.mark.parametrize("m,k,n,group,dtype", [
-    (1, 256, 96, 32, jnp.float32), (5, 128, 64, 128, jnp.bfloat16),
-    (37, 384, 80, 64, jnp.float16)])
-def test_int4_matmul_kernel_matches_reference(m, k, n, group, dtype):
+@pytest.mark.parametrize("m,k,n,group,dtype,splits", [
+    (1, 256, 96, 32, jnp.float32, None), (5, 128, 64, 128, jnp.bfloat16, None),
+    (37, 384, 80, 64, jnp.float16, None),
+    # K split: even (2 x 2 chunks), uneven (3 + 2 chunks), one split per chunk
+    (1, 512, 96, 32, jnp.float32, 2), (3, 640, 64, 128, jnp.bfloat16, 2),
+    (2, 384, 40, 64, jnp.float16, 3)])
+def test_int4_matmul_kernel_matches_reference(m, k, n, group, dtype, splits):
     q, scales, zeros = random_int4(m, k, n, group)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((m, k)), dtype)
     args = (x, jnp.asarray(qm.pack_int4(q)), jnp.asarray(scales, dtype), jnp.asarray(zeros))
-    got = qm.int4_matmul(*args, block_n=32, interpret=True)
+    got = qm.int4_matmul(*args, block_n=32, splits=splits, interpret=True)
     want = qm.int4_matmul_reference(*args)
     dense = (q - np.repeat(zeros, group, 0)) * np.repeat(np.asarray(args[2], np.float32), group, 0)
     exact = np.asarray(x, np.float64) @ dense
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert rel_err(got, want) < tol and rel_err(want, exact) < tol
+
+
+def test_int4_matmul_splits_k_only_where_tiles_are_few():
+    # the 8B's projections at decode (M = 1, BN 64): o 64 tiles and down (K 14336) get 4
+    # splits, qkv 96 tiles 2, gate/up 448 tiles none; a 2048-token prefill none
+    assert qm.num_k_splits(1, 4096, 4096, 16, 64) == 4
+    assert qm.num_k_splits(1, 14336, 4096, 16, 64) == 4
+    assert qm.num_k_splits(1, 4096, 6144, 16, 64) == 2
+    assert qm.num_k_splits(1, 4096, 28672, 16, 64) == 1
+    assert qm.num_k_splits(2048, 4096, 4096, 64, 64) == 1
+    assert qm.num_k_splits(1, 384, 4096, 16, 64) == 1  # each split >= 4 chunks
 
 
 def test_int4_matmul_lowers_for_cuda():
