@@ -12,9 +12,9 @@ sizes, TP), unless they part at a near tie (the two best logprobs within TIE of 
 The matrix is a covering design, not the product: every backend with a small and the default
 max_num_seqs; every max_num_seqs (1/2/8/256), max_model_len (777/2048/8192), block size
 (16/32/64) and dtype (bf16/fp16/fp32) at least once, each beside two backends to compare; the
-8B shape at the sizes reported to crash; TP=2. Small cases run side by side, each engine bounded
-by its gpu_memory_utilization. Writes DIR/gpu_smoke.json and DIR/gpu_smoke.md; prints a row per
-finished case.
+8B shape at the sizes reported to crash; TP=2, DP=2 and PP=2 (with two GPUs). Small cases run
+side by side, each engine bounded by its gpu_memory_utilization. Writes DIR/gpu_smoke.json and
+DIR/gpu_smoke.md; prints a row per finished case.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class Case:
     max_num_seqs: int
     backend: str
     tp: int = 1
+    dp: int = 1
+    pp: int = 1
     utilization: float = 0.1
     max_num_batched_tokens: int | None = 512
     enforce_eager: bool = False  # the CPU matrix checks this script, not the warm-up
@@ -61,8 +63,13 @@ class Case:
         features = "".join([f" kv-{self.kv_cache_dtype}" * (self.kv_cache_dtype != "auto"),
                             f" q-{self.quantization}" * (self.quantization is not None),
                             " ngram" * self.speculative, " lora" * self.lora])
+        layout = f"tp{self.tp}" + f" dp{self.dp}" * (self.dp > 1) + f" pp{self.pp}" * (self.pp > 1)
         return (f"{self.model} {self.dtype} len{self.max_model_len} bs{self.block_size} "
-                f"seqs{self.max_num_seqs} {self.backend} tp{self.tp}{features}")
+                f"seqs{self.max_num_seqs} {self.backend} {layout}{features}")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.dp * self.pp
 
     @property
     def group(self) -> tuple:
@@ -97,6 +104,8 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
               Case(max_num_seqs=256, backend="pallas", **big)]
     if num_gpus >= 2:
         cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", tp=2) for seqs in (8, 256)]
+        cases += [Case(tiny, "bfloat16", 2048, 16, 8, "pallas", dp=2),
+                  Case(tiny, "bfloat16", 2048, 16, 8, "pallas", pp=2)]
     return cases
 
 
@@ -131,6 +140,7 @@ def run_case(case: Case) -> dict:
               max_model_len=case.max_model_len, block_size=case.block_size,
               max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
               attention_backend=case.backend, tensor_parallel_size=case.tp,
+              data_parallel_size=case.dp, pipeline_parallel_size=case.pp,
               gpu_memory_utilization=case.utilization, enforce_eager=case.enforce_eager,
               kv_cache_dtype=case.kv_cache_dtype, quantization=case.quantization,
               speculative_config=NGRAM if case.speculative else None, **lora_kwargs)
@@ -196,22 +206,23 @@ def _last_error(log: str) -> str | None:
 
 
 def run_matrix(cases: list[Case], out_dir: str, jobs: int, timeout_s: float) -> list[dict]:
-    """Runs cases side by side while their memory shares fit one device (TP cases alone)."""
+    """Runs cases side by side while their memory shares fit one device (multi-GPU cases
+    alone)."""
     os.makedirs(out_dir, exist_ok=True)
     pending = list(enumerate(cases))
     running: dict[int, tuple] = {}
     rows = []
     while pending or running:
         share = sum(case.utilization for case, *_ in running.values())
-        alone = any(case.tp > 1 for case, *_ in running.values())
+        alone = any(case.num_gpus > 1 for case, *_ in running.values())
         for item in list(pending):
             index, case = item
             fits = share + case.utilization <= 0.9 and len(running) < jobs and not alone
-            if fits and (case.tp == 1 or not running):
+            if fits and (case.num_gpus == 1 or not running):
                 running[index] = (case, *_launch(case, out_dir, index))
                 pending.remove(item)
                 share += case.utilization
-                alone = case.tp > 1
+                alone = case.num_gpus > 1
         time.sleep(0.5)
         for index, (case, proc, began) in list(running.items()):
             if proc.poll() is None and time.perf_counter() - began > timeout_s:

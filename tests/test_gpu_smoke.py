@@ -49,13 +49,14 @@ def test_matrix_covers_every_value_of_every_axis():
     for axis, values in (("max_num_seqs", {1, 2, 8, 256}), ("max_model_len", {777, 2048, 8192}),
                          ("block_size", {16, 32, 64}),
                          ("dtype", {"bfloat16", "float16", "float32"}),
-                         ("backend", {"pallas", "triton", "mosaic", "xla"}), ("tp", {1, 2})):
+                         ("backend", {"pallas", "triton", "mosaic", "xla"}), ("tp", {1, 2}),
+                         ("dp", {1, 2}), ("pp", {1, 2})):
         assert {getattr(case, axis) for case in cases} == values, axis
     for backend in ("pallas", "triton", "mosaic", "xla"):  # each with small and default seqs
         assert {c.max_num_seqs for c in cases if c.backend == backend} & {1, 2, 8}
         assert 256 in {c.max_num_seqs for c in cases if c.backend == backend}
     assert not [c for c in cases if c.backend == "mosaic" and c.dtype == "float32"]
-    assert {c.tp for c in gpu_smoke.gpu_matrix(num_gpus=1)} == {1}
+    assert {c.num_gpus for c in gpu_smoke.gpu_matrix(num_gpus=1)} == {1}
 
 
 def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path):
