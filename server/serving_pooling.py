@@ -47,15 +47,13 @@ class PoolingServing:
         self.serving = serving
         self.max_model_len = serving.max_model_len
 
-    def _check(self, model: str | None, endpoint: str) -> str:
+    def _check(self, model: str | None, endpoint: str):
+        """-> (the served name, the LoRA adapter `model` names or None)."""
         name = self.serving.check_model(model)
         if not is_pooling(self.serving):
             raise OpenAIError(f"The model does not support {endpoint}: it is a generative model; "
                               f"serve a pooling model (--runner pooling).")
-        if self.serving.lora_for(model) is not None:  # offline only so far: never run the base
-            raise OpenAIError(f"LoRA adapters through {endpoint} are not supported yet (offline "
-                              f"LLM.embed(lora_request=...) is).", param="model")
-        return name
+        return name, self.serving.lora_for(model)
 
     # -- inputs ---------------------------------------------------------------------------------
     def _token_ids(self, inputs, truncate: int | None, operation: str) -> list[list[int]]:
@@ -92,13 +90,14 @@ class PoolingServing:
                 f"the length of the input.")
 
     async def _run(self, token_ids: list[list[int]], params: list[PoolingParams],
-                   kind: str) -> list[PoolingRequestOutput]:
+                   kind: str, lora_request=None) -> list[PoolingRequestOutput]:
         """Submits every input and waits for all (a client that leaves cancels and aborts)."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
 
         async def one(index: int) -> PoolingRequestOutput:
-            async for output in self.serving.engine.generate(token_ids[index], params[index],
-                                                             f"{request_id}-{index}"):
+            async for output in self.serving.engine.generate(
+                    token_ids[index], params[index], f"{request_id}-{index}",
+                    lora_request=lora_request):
                 last = output
             return last
 
@@ -111,22 +110,22 @@ class PoolingServing:
 
     # -- endpoints ------------------------------------------------------------------------------
     async def embeddings(self, request: EmbeddingRequest) -> Response:
-        model = self._check(request.model, "/v1/embeddings")
+        model, lora = self._check(request.model, "/v1/embeddings")
         token_ids = self._token_ids(request.input, request.truncate_prompt_tokens,
                                     "embedding generation")
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize,
                                task="embed")
-        outputs = await self._run(token_ids, [params] * len(token_ids), "embd")
+        outputs = await self._run(token_ids, [params] * len(token_ids), "embd", lora)
         data = [EmbeddingData(i, _encode(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outputs)]
         return _json(EmbeddingResponse(f"embd-{uuid.uuid4().hex}", model, data, _usage(outputs)))
 
     async def classify(self, request: ClassificationRequest) -> Response:
-        model = self._check(request.model, "/classify")
+        model, lora = self._check(request.model, "/classify")
         token_ids = self._token_ids(request.input, request.truncate_prompt_tokens,
                                     "classification")
         params = PoolingParams(use_activation=request.use_activation, task="classify")
-        outputs = await self._run(token_ids, [params] * len(token_ids), "classify")
+        outputs = await self._run(token_ids, [params] * len(token_ids), "classify", lora)
         labels = self.serving.engine.core.config.model_config.hf_config.get("id2label") or {}
         data = []
         for i, output in enumerate(outputs):
@@ -138,7 +137,7 @@ class PoolingServing:
                                             _usage(outputs)))
 
     async def _scores(self, texts_1: list[str], texts_2: list[str], truncate: int | None,
-                      param: str) -> tuple[list[float], list[PoolingRequestOutput]]:
+                      param: str, lora) -> tuple[list[float], list[PoolingRequestOutput]]:
         """Cosine similarities of embeddings (an embedding model) or a cross-encoder's outputs
         on the pairs (a classifier), vLLM's 1 x N or N x N pairing."""
         try:
@@ -150,7 +149,7 @@ class PoolingServing:
         if self.serving.engine.core.task == "embed":
             token_ids = self._token_ids(texts_1 + texts_2, truncate, "score")
             outputs = await self._run(token_ids, [PoolingParams(task="embed")] * len(token_ids),
-                                      "score")
+                                      "score", lora)
             first, second = outputs[:len(texts_1)], outputs[len(texts_1):]
             return [cosine(first[i].outputs.data, second[j].outputs.data)
                     for i, j in pairs], outputs
@@ -160,26 +159,27 @@ class PoolingServing:
         for ids, _ in inputs:
             self._check_length(len(ids), "score")
         outputs = await self._run([ids for ids, _ in inputs],
-                                  [pair_params(None, start) for _, start in inputs], "score")
+                                  [pair_params(None, start) for _, start in inputs], "score",
+                                  lora)
         try:
             return [cross_encoder_score(o.outputs.data) for o in outputs], outputs
         except ValueError as error:
             raise OpenAIError(str(error)) from None
 
     async def score(self, request: ScoreRequest) -> Response:
-        model = self._check(request.model, "/score")
+        model, lora = self._check(request.model, "/score")
         as_list = lambda x: [x] if isinstance(x, str) else x  # noqa: E731
         scores, outputs = await self._scores(as_list(request.text_1), as_list(request.text_2),
-                                             request.truncate_prompt_tokens, "text_2")
+                                             request.truncate_prompt_tokens, "text_2", lora)
         data = [ScoreData(i, s) for i, s in enumerate(scores)]
         return _json(ScoreResponse(f"score-{uuid.uuid4().hex}", model, data, _usage(outputs)))
 
     async def rerank(self, request: RerankRequest) -> Response:
-        model = self._check(request.model, "/rerank")
+        model, lora = self._check(request.model, "/rerank")
         if request.top_n < 0:
             raise OpenAIError(f"top_n must be at least 0, got {request.top_n}.", param="top_n")
         scores, outputs = await self._scores([request.query], request.documents,
-                                             request.truncate_prompt_tokens, "documents")
+                                             request.truncate_prompt_tokens, "documents", lora)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         order = order[:request.top_n] if request.top_n else order
         results = [RerankResult(i, scores[i], RerankDocument(request.documents[i])
@@ -188,10 +188,10 @@ class PoolingServing:
                                     RerankUsage(_usage(outputs).total_tokens), results))
 
     async def pooling(self, request: PoolingRequest) -> Response:
-        model = self._check(request.model, "/pooling")
+        model, lora = self._check(request.model, "/pooling")
         token_ids = self._token_ids(request.input, request.truncate_prompt_tokens, "pooling")
         params = PoolingParams(task="encode")
-        outputs = await self._run(token_ids, [params] * len(token_ids), "pool")
+        outputs = await self._run(token_ids, [params] * len(token_ids), "pool", lora)
         data = [PoolingData(i, _encode(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outputs)]
         return _json(PoolingResponse(f"pool-{uuid.uuid4().hex}", model, data, _usage(outputs)))

@@ -285,12 +285,75 @@ def test_pooling_batches_keep_within_max_loras_with_the_step_in_flight():
     assert ids(scheduler.schedule()) == ["2"]
 
 
-def test_lora_on_encoders_is_refused(tmp_path):
+def _bert_peft_adapter(base: str, out: str, rank: int, seed: int, targets: list[str]) -> str:
+    """A random PEFT adapter on the BertModel in `base` (PEFT starts B at zero: all randomised)."""
+    import torch
     import transformers
-    path = str(tmp_path / "bert")
-    transformers.BertModel(transformers.BertConfig(**_TINY_BERT)).save_pretrained(path)
-    with pytest.raises(ValueError, match=r"LoRA adapters on encoder models \(BertModel\)"):
-        LLM(path, enable_lora=True, enforce_eager=True)
+    from peft import LoraConfig, get_peft_model
+    model = transformers.BertModel.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                  target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(peft_model.named_parameters()):
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+    peft_model.save_pretrained(out)
+    return out
+
+
+def _bert_cls(path: str, adapter: str | None, texts: list[str], tokenizer) -> np.ndarray:
+    """HF BertModel's CLS hidden states (the default pooling), through PEFT with an adapter."""
+    import torch
+    import transformers
+    from peft import PeftModel
+    model = transformers.BertModel.from_pretrained(path, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return np.stack([model.eval()(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, 0]
+                         .numpy() for t in texts])
+
+
+def test_bert_embedder_lora_equals_hf_peft(tmp_path, minilm_dir):
+    """LoRA on an encoder: one embed call mixing the base model and two adapters (every
+    projection; query/value only) with max_loras=1, equal to HF BertModel + PEFT (CLS pooling,
+    normalised); nothing compiles after warm-up."""
+    path = _save_encoder(tmp_path, minilm_dir, "bert", "BertModel")
+    every = ["query", "key", "value", "attention.output.dense", "intermediate.dense",
+             "output.dense"]
+    adapters = [_bert_peft_adapter(path, str(tmp_path / "all"), 8, 1, every),
+                _bert_peft_adapter(path, str(tmp_path / "qv"), 4, 2, ["query", "value"])]
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, a) for i, a in enumerate(adapters)]
+    llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64,
+              max_num_seqs=4)
+    texts = SENTENCES[:3]
+    order = [(t, k) for k in range(3) for t in range(3)][::-1]
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        outputs = llm.embed([texts[t] for t, _ in order],
+                            lora_request=[loras[k] for _, k in order], use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    assert counter.count == 0, f"{counter.count} compilations after warm-up"
+    ours = {key: o.outputs.embedding for key, o in zip(order, outputs)}
+    tokenizer = llm.get_tokenizer()
+    for k, lora in enumerate(loras):
+        reference = _bert_cls(path, lora and lora.lora_path, texts, tokenizer)
+        mine = np.array([ours[t, k] for t in range(3)])
+        assert cosines(mine, reference).min() >= 0.99999, k
+        if k:  # the adapter changes the embedding
+            base = np.array([ours[t, 0] for t in range(3)])
+            assert cosines(mine, base).max() < 0.999
+
+
+def test_bert_adapter_on_an_unsupported_module_is_refused(tmp_path, minilm_dir):
+    path = _save_encoder(tmp_path, minilm_dir, "bert", "BertModel")
+    adapter = _bert_peft_adapter(path, str(tmp_path / "pooler"), 4, 1, ["pooler.dense"])
+    llm = LLM(path, enable_lora=True, max_lora_rank=8, enforce_eager=True)
+    with pytest.raises(ValueError, match=r"pooler\.dense is not supported"):
+        llm.embed(["hello"], lora_request=LoRARequest("p", 1, adapter), use_tqdm=False)
 
 
 def test_generative_model_refuses_pooling(tiny_llama_dir):
@@ -320,6 +383,39 @@ def server(minilm_dir):
                                        "--max-num-seqs", "8", "--enforce-eager"])
     yield remote
     remote.close()
+
+
+def test_server_embeds_and_scores_with_an_adapter_named_in_model(tmp_path, minilm_dir):
+    """--lora-modules on an encoder: the openai client's embeddings.create with the adapter's
+    name equals HF + PEFT, the base model's name the base; /score takes the adapter too."""
+    from openai import OpenAI
+
+    from jaxllm.server.testing import RemoteServer
+    path = _save_encoder(tmp_path, minilm_dir, "bert", "BertModel")
+    adapter = _bert_peft_adapter(path, str(tmp_path / "all"), 8, 1, ["query", "value",
+                                                                     "output.dense"])
+    remote = RemoteServer(path, ["--served-model-name", "bert", "--enable-lora",
+                                 "--max-lora-rank", "8", "--lora-modules", f"sql={adapter}",
+                                 "--max-model-len", "64", "--max-num-seqs", "4",
+                                 "--enforce-eager"])
+    try:
+        client = OpenAI(base_url=remote.url + "/v1", api_key="none")
+        texts = SENTENCES[:3]
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        for model, lora in (("sql", adapter), ("bert", None)):
+            response = client.embeddings.create(model=model, input=texts, encoding_format="float")
+            ours = np.array([d.embedding for d in response.data])
+            assert cosines(ours, _bert_cls(path, lora, texts, tokenizer)).min() >= 0.99999, model
+        scores = {model: httpx.post(remote.url + "/score", json={
+            "model": model, "text_1": texts[0], "text_2": texts[1:]}).json()["data"]
+            for model in ("sql", "bert")}
+        reference = _bert_cls(path, adapter, texts, tokenizer)
+        np.testing.assert_allclose([d["score"] for d in scores["sql"]],
+                                   cosines(reference[:1], reference[1:]), atol=1e-5)
+        assert scores["sql"] != scores["bert"]
+    finally:
+        remote.close()
 
 
 def test_openai_client_embeddings_float_and_base64(server, st_reference):

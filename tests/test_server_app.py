@@ -167,24 +167,3 @@ def test_one_model_by_id_and_tokenizer_info(tiny_tokenizer):
     assert info["tokenizer_class"] == type(tiny_tokenizer).__name__
     assert info["vocab_size"] == len(tiny_tokenizer) and info["model_max_length"] == 128
     assert info["eos_token"] == tiny_tokenizer.eos_token
-
-
-def test_pooling_endpoints_refuse_an_adapter_rather_than_run_the_base_model():
-    """Pooling models take LoRA adapters offline only so far: an adapter named in a pooling
-    request's model field is refused, never served by the base model."""
-    import pytest
-
-    from jaxllm.engine.pooling_engine import PoolingEngine
-    from jaxllm.lora.request import LoRARequest
-    from jaxllm.server.errors import OpenAIError
-    from jaxllm.server.serving_pooling import PoolingServing
-
-    adapter = LoRARequest("sql", 1, "/adapters/sql")
-    serving = SimpleNamespace(
-        max_model_len=128, engine=SimpleNamespace(core=object.__new__(PoolingEngine)),
-        check_model=lambda model: model or "base",
-        lora_for=lambda model: adapter if model == "sql" else None)
-    pooling = PoolingServing(serving)
-    assert pooling._check("base", "/v1/embeddings") == "base"
-    with pytest.raises(OpenAIError, match="LoRA adapters through /v1/embeddings"):
-        pooling._check("sql", "/v1/embeddings")

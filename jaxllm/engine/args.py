@@ -14,13 +14,12 @@ from jaxllm.config import (DEFAULT_MODEL_NAME, CacheConfig, EngineConfig, LoadCo
                            LoRAConfig, ParallelConfig, PoolerConfig, RunnerConfig,
                            SchedulerConfig, SpeculativeConfig)
 from jaxllm.core.kv_cache_utils import HASH_ALGOS, get_hash_fn
-from jaxllm.engine.pooling_config import (architecture, pooling_max_model_len,
-                                          resolve_pooler_config, resolve_runner)
+from jaxllm.engine.pooling_config import (pooling_max_model_len, resolve_pooler_config,
+                                          resolve_runner)
 from jaxllm.loader.loader import read_hf_config, resolve_model_path
 from jaxllm.worker import device_memory
 from jaxllm.loader import quant_checkpoint
 from jaxllm.models import ModelArgs
-from jaxllm.models.bert import ENCODER_ARCHITECTURES
 from jaxllm.sharding.pipeline import layer_partition
 
 
@@ -132,11 +131,6 @@ class EngineArgs:
     def _lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        arch = architecture(model_config.hf_config)
-        if model_config.runner == "pooling" and arch in ENCODER_ARCHITECTURES:
-            raise ValueError(f"LoRA adapters on encoder models ({arch}) are not supported yet: "
-                             "LoRA on pooling models covers decoders run as embedders or "
-                             "classifiers (Llama, Qwen).")
         if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1
                 or self.pipeline_parallel_size > 1):
             raise ValueError("LoRA with tensor, data or pipeline parallelism (size > 1) is not "

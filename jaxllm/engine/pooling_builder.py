@@ -61,10 +61,10 @@ def _encoder(config: EngineConfig, classify: bool):
     params = fuse_params(params, args.num_heads, free_inputs=True)
 
     def hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots):
-        del lora_slots  # LoRA on encoders is refused with the engine's arguments
-        return bert.encode(params, token_ids, token_type_ids, lengths, args=args)
+        return bert.encode(params, token_ids, token_type_ids, lengths, args=args,
+                           lora_slots=lora_slots)
     dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
-    return params, hidden_fn, dims, None
+    return params, hidden_fn, dims, make_lora_slots(config.lora_config, args, dtype)
 
 
 def _decoder(config: EngineConfig, classify: bool):

@@ -22,6 +22,10 @@ from jaxllm.models.args import ModelArgs
 from jaxllm.models.lora import module_shapes
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# BERT-family encoders: the module path under a layer -> jaxllm's target name (models/lora.py)
+ENCODER_TARGETS = {"attention.self.query": "query", "attention.self.key": "key",
+                   "attention.self.value": "value", "attention.output.dense": "attn_out",
+                   "intermediate.dense": "intermediate", "output.dense": "output"}
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 CONFIG_FILE = "adapter_config.json"
@@ -62,6 +66,8 @@ _KNOWN_FIELDS = {
 _RESIDUAL_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 _KEY = re.compile(r"^(?P<module>.+)\.(?P<half>lora_A|lora_B)(?:\.default)?\.weight$")
 _MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<target>\w+)$")
+# encoder.layer.{i}.{path} of BertModel, or under bert. / roberta. in the *For* classes
+_ENCODER_MODULE = re.compile(r"^(?:\w+\.)?encoder\.layer\.(?P<layer>\d+)\.(?P<target>[\w.]+)$")
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,18 +82,18 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
 
 
-def load_peft_adapter(path: str, args: ModelArgs, *, max_lora_rank: int,
-                      name: str = "") -> LoRAAdapter:
+def load_peft_adapter(path: str, args, *, max_lora_rank: int, name: str = "") -> LoRAAdapter:
     """Reads and validates the PEFT LoRA adapter in directory `path` against the base model
-    `args`. Raises ValueError naming the adapter path and the problem for: a missing directory,
+    `args` (a decoder's ModelArgs or an encoder's BertArgs). Raises ValueError naming the adapter path and the problem for: a missing directory,
     adapter_config.json or adapter_model.safetensors (adapter_model.bin is refused: convert it
     to safetensors); peft_type other than LORA; any field of `_REFUSED_FIELDS` set (DoRA,
     modules_to_save, fan_in_fan_out, lora_bias, layer_replication, trainable_token_indices,
     target_parameters, aLoRA, QA-LoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, VeLoRA); bias other
     than "none"; an init_lora_weights that rewrites the base weights (PiSSA, CorDA, OLoRA,
     LoftQ, LoRA-GA); any config field jaxllm does not know that is set; a tensor that is not a
-    lora_A/lora_B weight of q/k/v/o_proj or a dense gate/up/down_proj (embed_tokens, lm_head, MoE
-    experts and routers, DoRA magnitudes, biases); a layer index beyond the model; a module with
+    lora_A/lora_B weight of q/k/v/o_proj or a dense gate/up/down_proj (an encoder's query, key,
+    value, attention output, intermediate and output dense layers) (embed_tokens, lm_head, MoE
+    experts and routers, a BERT pooler, DoRA magnitudes, biases); a layer index beyond the model; a module with
     only one of A and B; a rank above `max_lora_rank`; an A or B whose shape does not match the
     base model and the configured rank."""
     config = _read_config(path)
@@ -184,8 +190,12 @@ def _pair_halves(tensors: dict[str, np.ndarray], path: str) -> dict[str, tuple]:
     return {module: (pair["lora_A"], pair["lora_B"]) for module, pair in halves.items()}
 
 
-def _locate(module_key: str, args: ModelArgs, path: str) -> tuple[int, str]:
-    """model.layers.{i}.self_attn.q_proj -> (i, "q_proj"); anything jaxllm cannot apply raises."""
+def _locate(module_key: str, args, path: str) -> tuple[int, str]:
+    """model.layers.{i}.self_attn.q_proj -> (i, "q_proj") (an encoder's
+    encoder.layer.{i}.attention.self.query -> (i, "query")); anything jaxllm cannot apply
+    raises."""
+    if not isinstance(args, ModelArgs):
+        return _locate_in_encoder(module_key, args, path)
     match = _MODULE.match(module_key)
     if match is None or _PARENT.get(match["target"]) != match["parent"]:
         what = "MoE experts are" if ".experts." in module_key else f"{module_key} is"
@@ -200,6 +210,19 @@ def _locate(module_key: str, args: ModelArgs, path: str) -> tuple[int, str]:
         raise ValueError(f"LoRA adapter {path}: target module {module_key} is not supported: "
                          f"layer {layer}'s MLP is a mixture of experts.")
     return layer, target
+
+
+def _locate_in_encoder(module_key: str, args, path: str) -> tuple[int, str]:
+    match = _ENCODER_MODULE.match(module_key)
+    if match is None or match["target"] not in ENCODER_TARGETS:
+        raise ValueError(f"LoRA adapter {path}: target module {module_key} is not supported: "
+                         f"not among the modules jaxllm applies LoRA to in an encoder "
+                         f"({', '.join(ENCODER_TARGETS)} of the encoder layers).")
+    layer = int(match["layer"])
+    if layer >= args.num_layers:
+        raise ValueError(f"LoRA adapter {path}: {module_key} is beyond the base model, which has "
+                         f"{args.num_layers} layers.")
+    return layer, ENCODER_TARGETS[match["target"]]
 
 
 def _rank_and_alpha(config: dict, module_key: str) -> tuple[int, float]:

@@ -9,6 +9,8 @@ attention within each row (models/padded_attention.py). Params pytree (HF's matr
 and the classifier head of a *ForSequenceClassification model (models/pooler.py):
   head_dense_w [H, H], head_dense_b [H] (BERT's pooler, RoBERTa's classifier.dense),
   classifier_w [H, labels], classifier_b [labels].
+With LoRA, params["lora"] holds every layer's adapter slots (models/lora.py) and each row names
+its slot: the updates add onto the fused q/k/v, the attention output and both MLP projections.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxllm.models.lora import TokenLoRA
 from jaxllm.models.padded_attention import padded_attention
 
 # architecture -> position offset (RoBERTa numbers positions from pad_token_id + 1)
@@ -104,28 +107,41 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
 
 
 def _layer(layer: dict, x: jax.Array, lengths: jax.Array, args: BertArgs,
-           implementation: str | None) -> jax.Array:
+           implementation: str | None, lora: TokenLoRA | None) -> jax.Array:
     num_seqs, max_len, _ = x.shape
+
+    def adapted(base, inputs, group):  # base [S, L, ...] + the rows' adapters' update
+        if lora is None:
+            return base
+        flat = lambda a: a.reshape(num_seqs * max_len, *a.shape[2:])  # noqa: E731
+        return lora.add(flat(base), flat(inputs), group).reshape(base.shape)
+
     qkv = jnp.einsum("slh,hncd->slncd", x, layer["wqkv"]) + layer["bqkv"]  # [S, L, heads, 3, D]
+    qkv = adapted(qkv, x, "qkv")
     attn = padded_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], lengths,
                             causal=False, sm_scale=args.head_dim ** -0.5,
-                            implementation=implementation)
-    attn = jnp.einsum("slo,oh->slh", attn.reshape(num_seqs, max_len, -1), layer["wo"]) + layer["bo"]
+                            implementation=implementation).reshape(num_seqs, max_len, -1)
+    attn = adapted(jnp.einsum("slo,oh->slh", attn, layer["wo"]) + layer["bo"], attn, "o")
     x = layer_norm(x + attn, layer["attn_norm_w"], layer["attn_norm_b"], args.layer_norm_eps)
-    h = jnp.einsum("slh,hi->sli", x, layer["w_in"]) + layer["b_in"]
+    h = adapted(jnp.einsum("slh,hi->sli", x, layer["w_in"]) + layer["b_in"], x, "in")
     h = jax.nn.gelu(h, approximate=args.gelu_approximate)
-    h = jnp.einsum("sli,ih->slh", h, layer["w_out"]) + layer["b_out"]
+    h = adapted(jnp.einsum("sli,ih->slh", h, layer["w_out"]) + layer["b_out"], h, "out")
     return layer_norm(x + h, layer["mlp_norm_w"], layer["mlp_norm_b"], args.layer_norm_eps)
 
 
 def encode(params: dict, token_ids: jax.Array, token_type_ids: jax.Array, lengths: jax.Array, *,
-           args: BertArgs, implementation: str | None = None) -> jax.Array:
+           args: BertArgs, implementation: str | None = None,
+           lora_slots: jax.Array | None = None) -> jax.Array:
     """token_ids, token_type_ids [S, L] (rows padded past lengths[s] >= 1) -> the last layer's
-    hidden states [S, L, H] in the params' dtype (LayerNorms in fp32)."""
+    hidden states [S, L, H] in the params' dtype (LayerNorms in fp32). lora_slots [S]: each
+    row's adapter slot in params["lora"] (0: none)."""
     positions = jnp.arange(token_ids.shape[1]) + args.position_offset
     x = (params["word_embed"][token_ids] + params["position_embed"][positions][None]
          + params["type_embed"][token_type_ids])
     x = layer_norm(x, params["embed_norm_w"], params["embed_norm_b"], args.layer_norm_eps)
-    for layer in params["layers"]:
-        x = _layer(layer, x, lengths, args, implementation)
+    token_slots = (None if lora_slots is None
+                   else jnp.repeat(lora_slots.astype(jnp.int32), token_ids.shape[1]))
+    for i, layer in enumerate(params["layers"]):
+        lora = None if token_slots is None else TokenLoRA(params["lora"][i], token_slots)
+        x = _layer(layer, x, lengths, args, implementation, lora)
     return x

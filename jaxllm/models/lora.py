@@ -7,6 +7,9 @@ zero: tokens of base-model requests add nothing. The groups follow the fused com
 (models/fused.py): q/k/v share one A [H, 3r] (their three A's side by side) and one B
 [3r, Hkv * (G + 2) * D] that is block-diagonal, with its columns in wqkv's head order, so the
 update adds straight onto the fused projection's output; gate/up likewise onto w_gate_up's.
+A model family's targets and groups are its `LoRALayout` (decoders: HF's q/k/v/o/gate/up/down
+projections; BERT-family encoders: query/key/value, the attention output, intermediate and
+output dense layers, whose fused wqkv is [H, heads, 3, D]: G = 1).
 """
 
 from __future__ import annotations
@@ -24,56 +27,75 @@ from pallas_kernels import lora as lora_kernels
 # projection group -> the HF modules (PEFT's target names) it fuses, in output order
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+ENCODER_GROUPS = {"qkv": ("query", "key", "value"), "o": ("attn_out",), "in": ("intermediate",),
+                  "out": ("output",)}
 
 
-def module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+@dataclass(frozen=True)
+class LoRALayout:
+    """Where a model family's adapters go."""
+    shapes: dict[str, tuple[int, int]]  # target -> (in, out): HF's Linear(in, out)
+    groups: dict[str, tuple[str, ...]]  # group -> its targets in output order, every layer
+    num_layers: int
+    heads: tuple[int, int, int, int]  # (q size, kv size, kv heads, head dim) of the q/k/v group
+
+
+def layout_of(args) -> LoRALayout:
+    """A decoder's (ModelArgs) or a BERT-family encoder's (models/bert.py's BertArgs) layout."""
+    if isinstance(args, ModelArgs):
+        h, q, kv, i = args.hidden_size, args.q_size, args.kv_size, args.intermediate_size
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        # the MLP's groups only in a dense model (experts take no adapters)
+        groups = {g: m for g, m in GROUPS.items()
+                  if args.mlp_kind == "dense" or g in ("qkv", "o")}
+        return LoRALayout(shapes, groups, args.num_layers,
+                          (q, kv, args.num_kv_heads, args.head_dim))
+    h, i = args.hidden_size, args.intermediate_size
+    shapes = {"query": (h, h), "key": (h, h), "value": (h, h), "attn_out": (h, h),
+              "intermediate": (h, i), "output": (i, h)}
+    return LoRALayout(shapes, ENCODER_GROUPS, args.num_layers,
+                      (h, h, args.num_heads, args.head_dim))
+
+
+def module_shapes(args) -> dict[str, tuple[int, int]]:
     """Each target's (in, out): HF's Linear(in, out), i.e. jaxllm's stored [in, out] weight."""
-    h, q, kv, i = args.hidden_size, args.q_size, args.kv_size, args.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return layout_of(args).shapes
 
 
-def layer_groups(args: ModelArgs) -> tuple[str, ...]:
-    """The groups LoRA applies to in every layer: the MLP's only in a dense model (experts take
-    no adapters)."""
-    return tuple(g for g in GROUPS if args.mlp_kind == "dense" or g in ("qkv", "o"))
-
-
-def slot_shapes(args: ModelArgs, rank: int) -> dict[str, tuple[int, int]]:
+def slot_shapes(args, rank: int) -> dict[str, tuple[int, int]]:
     """One slot's arrays in a layer: {group}_a [in, len(modules) * r], {group}_b [..., out]."""
-    shapes = module_shapes(args)
+    layout = layout_of(args)
     out = {}
-    for group in layer_groups(args):
-        modules = GROUPS[group]
-        fan_in = shapes[modules[0]][0]
-        fan_out = sum(shapes[m][1] for m in modules)
+    for group, modules in layout.groups.items():
+        fan_in = layout.shapes[modules[0]][0]
+        fan_out = sum(layout.shapes[m][1] for m in modules)
         out[f"{group}_a"] = (fan_in, len(modules) * rank)
         out[f"{group}_b"] = (len(modules) * rank, fan_out)
     return out
 
 
-def init_stacks(args: ModelArgs, num_slots: int, rank: int, dtype) -> list[dict]:
+def init_stacks(args, num_slots: int, rank: int, dtype) -> list[dict]:
     """Every layer's slots, all zero: [num_slots, *slot shape] per array."""
     shapes = slot_shapes(args, rank)
     return [{name: jnp.zeros((num_slots, *shape), dtype) for name, shape in shapes.items()}
             for _ in range(args.num_layers)]
 
 
-def pack_slot(adapter_layers, args: ModelArgs, rank: int,
-              dtype=np.float32) -> dict[str, np.ndarray]:
+def pack_slot(adapter_layers, args, rank: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """An adapter's per-layer {module: (A [in, r], B [r, out])} as one slot's arrays in the
     layout init_stacks holds, every layer's stacked: {name: [L, *slot shape]}, in `dtype` (the
     stacks': half the bytes to move for 16 bits). One array per name, so that moving a slot in
     is a few large transfers."""
-    shapes = slot_shapes(args, rank)
+    layout = layout_of(args)
     packed = {name: np.zeros((len(adapter_layers), *shape), dtype)
-              for name, shape in shapes.items()}
+              for name, shape in slot_shapes(args, rank).items()}
     for layer, modules in enumerate(adapter_layers):
-        for group in layer_groups(args):
+        for group, targets in layout.groups.items():
             a, b = packed[f"{group}_a"][layer], packed[f"{group}_b"][layer]
             column = 0
-            for k, module in enumerate(GROUPS[group]):
-                width = module_shapes(args)[module][1]
+            for k, module in enumerate(targets):
+                width = layout.shapes[module][1]
                 if module in modules:
                     lora_a, lora_b = modules[module]
                     r = lora_a.shape[1]
@@ -81,15 +103,14 @@ def pack_slot(adapter_layers, args: ModelArgs, rank: int,
                     b[k * rank:k * rank + r, column:column + width] = lora_b
                 column += width
             if group == "qkv":
-                b[:] = _to_fused_heads(b, args)
+                b[:] = _to_fused_heads(b, *layout.heads)
     return packed
 
 
-def _to_fused_heads(b: np.ndarray, args: ModelArgs) -> np.ndarray:
+def _to_fused_heads(b: np.ndarray, q: int, kv: int, num_kv: int, d: int) -> np.ndarray:
     """B's columns from HF's order (all q heads, then k, then v) to wqkv's: KV head j's G query
     heads, then its k, then its v."""
-    q, kv, d = args.q_size, args.kv_size, args.head_dim
-    rows, num_kv = b.shape[0], args.num_kv_heads
+    rows = b.shape[0]
     parts = [b[:, :q].reshape(rows, num_kv, -1, d), b[:, q:q + kv].reshape(rows, num_kv, 1, d),
              b[:, q + kv:].reshape(rows, num_kv, 1, d)]
     return np.concatenate(parts, axis=2).reshape(rows, -1)
