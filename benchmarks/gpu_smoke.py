@@ -98,6 +98,9 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     # the 8B shape: the sizes reported to crash in warm-up, and the default
     big = dict(model="llama-3.1-8b", dtype="bfloat16", max_model_len=2048, block_size=16,
                utilization=0.3, max_num_batched_tokens=None)
+    # an MoE with FP8 experts (the grouped matmul's FP8 path), alone by its memory share
+    cases += [Case("qwen3-30b-a3b", "bfloat16", 2048, 16, 8, "pallas", utilization=0.6,
+                   max_num_batched_tokens=None, quantization="fp8")]
     cases += [Case(max_num_seqs=8, backend="pallas", **big),
               Case(max_num_seqs=2, backend="pallas", **big),
               Case(max_num_seqs=2, backend="triton", **big),

@@ -12,6 +12,10 @@ are read about once per step even when each has only a few rows (decode). One ex
 the rows past the last group, writes zeros; every output row is stored exactly once.
 `grouped_swiglu` loads each x tile once for both matrices and writes silu(gate) * up, so the
 [M, 2N] gate/up activations never reach memory.
+
+FP8 experts (W8A16): w in float8_e4m3fn with a scale per (group, output column) [G, N]; each
+[Bk, Bn] weight tile is cast to x's dtype after its load (half the weight bytes read) and the
+accumulator is scaled once per tile, before silu: x @ (w * s) = (x @ w) * s column by column.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
-def _reference_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [M, K], w [G, K, N], group_sizes [G] -> [M, N] fp32: every group's dense product,
-    each row's own picked, rows past the groups zero."""
+def _reference_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   scale: jax.Array | None = None) -> jax.Array:
+    """x [M, K], w [G, K, N] (scale [G, N]: w's columns times it), group_sizes [G] -> [M, N]
+    fp32: every group's dense product, each row's own picked, rows past the groups zero."""
+    if scale is not None:
+        w = w.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :]
     ends = jnp.cumsum(group_sizes)
     rows = jnp.arange(x.shape[0])
     row_group = jnp.sum(rows[:, None] >= ends[None, :], axis=1)  # [M]; G past the last group
@@ -36,14 +43,18 @@ def _reference_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     return jnp.where((row_group < w.shape[0])[:, None], picked, 0)
 
 
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return _reference_f32(x, w, group_sizes).astype(x.dtype)
+def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                             scale: jax.Array | None = None) -> jax.Array:
+    return _reference_f32(x, w, group_sizes, scale).astype(x.dtype)
 
 
 def grouped_swiglu_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                             group_sizes: jax.Array) -> jax.Array:
+                             group_sizes: jax.Array,
+                             scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """silu(x @ w_gate[g]) * (x @ w_up[g]) per row, in fp32, cast once."""
-    gate, up = _reference_f32(x, w_gate, group_sizes), _reference_f32(x, w_up, group_sizes)
+    gate_scale, up_scale = scales or (None, None)
+    gate = _reference_f32(x, w_gate, group_sizes, gate_scale)
+    up = _reference_f32(x, w_up, group_sizes, up_scale)
     return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
@@ -71,9 +82,10 @@ def _work_items(group_sizes: jax.Array, num_rows: int, block_m: int):
 
 
 def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, *refs, block_m, block_n, block_k,
-            num_groups):
-    """refs: one weight (x @ w) or two (silu(x @ w_gate) * (x @ w_up)), then the output."""
-    *w_refs, out_ref = refs
+            num_groups, num_weights):
+    """refs: one weight (x @ w) or two (silu(x @ w_gate) * (x @ w_up)), then a [G, N] scale per
+    weight when they are FP8, then the output."""
+    w_refs, scale_refs, out_ref = refs[:num_weights], refs[num_weights:-1], refs[-1]
     item, n_tile = pl.program_id(0), pl.program_id(1)
     group = item_group_ref[item]
     num_rows, k_dim = x_ref.shape
@@ -106,12 +118,15 @@ def _kernel(item_group_ref, item_tile_ref, bounds_ref, x_ref, *refs, block_m, bl
                               mask=row_mask[:, None] & k_mask[None, :], other=0)  # [Bm, Bk]
             w_idx, w_mask = (group, ks[:, None], cols[None, :]), k_mask[:, None] & col_mask[None, :]
             return tuple(
-                acc + pltriton.dot(x, pltriton.load(w_ref.at[w_idx], mask=w_mask, other=0),
-                                   precision=precision)  # [Bk, Bn] weights
+                acc + pltriton.dot(x, pltriton.load(w_ref.at[w_idx], mask=w_mask, other=0.0)
+                                   .astype(x.dtype), precision=precision)  # [Bk, Bn] weights
                 for acc, w_ref in zip(accs, w_refs))
 
         accs = jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), k_step,
                                  tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs))
+        accs = tuple(acc * pltriton.load(scale_ref.at[group, cols], mask=col_mask,
+                                         other=0)[None, :].astype(jnp.float32)
+                     for acc, scale_ref in zip(accs, scale_refs)) + accs[len(scale_refs):]
         if len(accs) == 1:
             store(accs[0], row_mask)
         else:  # silu(gate) * up
@@ -128,15 +143,17 @@ def _block_m(num_rows: int, num_groups: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def _grouped(x, weights, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
-             block_k: int = 64, num_warps: int | None = None, num_stages: int = 3,
-             interpret: bool = False):
+def _grouped(x, weights, group_sizes, scales=(), *, block_m: int | None = None,
+             block_n: int | None = None, block_k: int = 64, num_warps: int | None = None,
+             num_stages: int = 3, interpret: bool = False):
     num_rows, k_dim = x.shape
     num_groups, w_k, n_dim = weights[0].shape
     if (any(w.shape != weights[0].shape for w in weights) or w_k != k_dim
             or group_sizes.shape != (num_groups,)):
         raise ValueError(f"x {x.shape}, w {[w.shape for w in weights]}, group_sizes "
                          f"{group_sizes.shape}: need x [M, K], w [G, K, N], group_sizes [G]")
+    if scales and [s.shape for s in scales] != [(num_groups, n_dim)] * len(weights):
+        raise ValueError(f"scales {[s.shape for s in scales]}: need one [G, N] per weight")
     block_m = block_m or _block_m(num_rows, num_groups)
     # 128 columns also for the fused pass's two accumulators: the sweep's best
     # (benchmarks/moe_gemm_gpu.py --sweep, docs/lab/).
@@ -144,7 +161,9 @@ def _grouped(x, weights, group_sizes, *, block_m: int | None = None, block_n: in
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     item_group, item_tile, bounds = _work_items(group_sizes, num_rows, block_m)
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                               num_groups=num_groups)
+                               num_groups=num_groups, num_weights=len(weights))
+    # FP8 weights travel as they are (cast per tile in the kernel); 16-bit ones in x's dtype
+    weights = tuple(w if scales else w.astype(x.dtype) for w in weights)
     return pl.pallas_call(
         kernel,
         grid=(item_group.shape[0], pl.cdiv(n_dim, block_n)),
@@ -152,17 +171,20 @@ def _grouped(x, weights, group_sizes, *, block_m: int | None = None, block_n: in
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="grouped_matmul" if len(weights) == 1 else "grouped_swiglu",
-    )(item_group, item_tile, bounds, x, *(w.astype(x.dtype) for w in weights))
+    )(item_group, item_tile, bounds, x, *weights, *scales)
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, **tiles) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   scale: jax.Array | None = None, **tiles) -> jax.Array:
     """x [M, K] (rows sorted by group), w [G, K, N], group_sizes [G] int -> [M, N] in x's dtype.
-    tiles: block_m, block_n, block_k, num_warps, num_stages (defaults by shape), interpret."""
-    return _grouped(x, (w,), group_sizes, **tiles)
+    scale [G, N]: w is FP8 and its columns are scaled by it. tiles: block_m, block_n, block_k,
+    num_warps, num_stages (defaults by shape), interpret."""
+    return _grouped(x, (w,), group_sizes, () if scale is None else (scale,), **tiles)
 
 
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array,
-                   **tiles) -> jax.Array:
+                   scales: tuple[jax.Array, jax.Array] | None = None, **tiles) -> jax.Array:
     """silu(x @ w_gate[g]) * (x @ w_up[g]) for each row's group g: x [M, K], w_gate, w_up
-    [G, K, N] -> [M, N] in x's dtype; rows past the groups zero. tiles: as grouped_matmul."""
-    return _grouped(x, (w_gate, w_up), group_sizes, **tiles)
+    [G, K, N] -> [M, N] in x's dtype; rows past the groups zero. scales: ([G, N], [G, N]) for
+    FP8 w_gate, w_up. tiles: as grouped_matmul."""
+    return _grouped(x, (w_gate, w_up), group_sizes, tuple(scales or ()), **tiles)

@@ -151,6 +151,27 @@ def test_tiny_llama_logits_fp8_within_tolerance(tiny_llama_dir):
     assert rel(got, want) < 0.15
 
 
+def test_tiny_moe_logits_fp8_experts_within_tolerance(tmp_path):
+    """--quantization fp8 on an MoE: the experts too (Fp8Experts, W8A16 in the grouped matmul),
+    logits within the dense model's stated tolerance; quantising the experts changes them."""
+    from test_moe import save_tiny_moe
+
+    from jaxllm.models.quant import EXPERT_NAMES, Fp8Experts
+    loaded = load_model(save_tiny_moe("qwen3_moe", str(tmp_path / "moe"), seed=3), "float32")
+    params = fuse_params(loaded.params, loaded.args.num_kv_heads)
+    want = logits_of(loaded, params, PROMPT)
+    quantized = quantize_params_fp8(fuse_params(
+        load_model(str(tmp_path / "moe"), "float32").params, loaded.args.num_kv_heads))
+    experts = [layer[name] for layer in quantized["layers"] for name in EXPERT_NAMES
+               if name in layer]
+    assert experts and all(isinstance(w, Fp8Experts) for w in experts)
+    got = logits_of(loaded, quantized, PROMPT)
+    assert rel(got, want) < 0.15
+    plain_experts = [{**layer, **{n: params["layers"][i][n] for n in EXPERT_NAMES if n in layer}}
+                     for i, layer in enumerate(quantized["layers"])]
+    assert rel(logits_of(loaded, {**quantized, "layers": plain_experts}, PROMPT), got) > 1e-4
+
+
 @pytest.mark.parametrize("sym,desc_act", [(True, False), (False, True)])
 def test_tiny_model_logits_int4_rtn_gptq(sym, desc_act, tiny_qwen3_dir, tmp_path):
     """The GPTQ checkpoint written by RTN loads packed and gives the logits of its dequantised

@@ -37,6 +37,8 @@ LLAMA_RUNS = [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
 MOE_RUNS = [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
             ("ep4", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
             ("ep8", dict(tensor_parallel_size=8, enable_expert_parallel=True))]
+# FP8 weights, experts included (Fp8Experts: the [E, N] scale split with the experts' N or E)
+MOE_FP8_RUNS = [(name, dict(kwargs, quantization="fp8")) for name, kwargs in MOE_RUNS[:3]]
 
 
 def _save_tiny_moe(out_dir: str) -> str:
@@ -67,6 +69,7 @@ def _child_main(llama_dir: str, moe_dir: str, llama_ckpt: str) -> None:
     # The Orbax checkpoint restored straight into the TP=4 shardings (KV heads expanded after).
     llama |= _generate_all(llama_ckpt, [("tp4_orbax", dict(tensor_parallel_size=4))], 384)
     print(json.dumps({"llama": llama, "moe": _generate_all(moe_dir, MOE_RUNS, 96),
+                      "moe_fp8": _generate_all(moe_dir, MOE_FP8_RUNS, 96),
                       "serve_engine": _serve_engine_kind(llama_ckpt),
                       "tp2_step": _tp2_step_collectives(llama_dir)}))
 
@@ -138,7 +141,8 @@ def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_pat
     for model, runs in results.items():
         reference = runs["tp1"]
         assert all(len(tokens) == MAX_TOKENS for tokens in reference)
-        assert len(runs) == {"llama": len(LLAMA_RUNS) + 1, "moe": len(MOE_RUNS)}[model]
+        assert len(runs) == {"llama": len(LLAMA_RUNS) + 1, "moe": len(MOE_RUNS),
+                             "moe_fp8": len(MOE_FP8_RUNS)}[model]
         for name, outputs in runs.items():
             assert outputs == reference, f"{model} {name}: {outputs} != {reference}"
 

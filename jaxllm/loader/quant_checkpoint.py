@@ -48,7 +48,7 @@ def check_supported(method: str | None, hf_config: dict, args: ModelArgs,
     elif qconfig and args.num_experts:
         raise ValueError(f"{method} checkpoints of MoE models ({args.architecture}) are not "
                          "supported by jaxllm yet (--quantization fp8 on a 16-bit MoE "
-                         "checkpoint quantises its attention and dense layers).")
+                         "checkpoint quantises it, experts included).")
     if method == "fp8" and qconfig.get("weight_block_size"):
         raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not "
                          "supported by jaxllm yet: only per-tensor and per-channel scales.")

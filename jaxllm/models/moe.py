@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.args import ModelArgs
 from jaxllm.models.layers import MLPS, dense_mlp
-from jaxllm.models.quant import linear
+from jaxllm.models.quant import Fp8Experts, dequantize, linear
 from jaxllm.sharding.axes import DATA, TENSOR
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 
@@ -42,18 +42,35 @@ def route(x: jax.Array, router: jax.Array, args: ModelArgs) -> tuple[jax.Array, 
 
 
 def _grouped_matmul(x, w, group_sizes):
+    """x @ w[g] per row's group (w plain or Fp8Experts): the Pallas kernel on a GPU, ragged_dot
+    (FP8 dequantised first) elsewhere."""
     if jax.default_backend() == "gpu":
+        if isinstance(w, Fp8Experts):
+            return grouped_matmul(x, w.values, group_sizes, w.scale)
         return grouped_matmul(x, w, group_sizes)
-    return jax.lax.ragged_dot(x, w, group_sizes)
+    return jax.lax.ragged_dot(x, _plain(w, x.dtype), group_sizes)
 
 
 def _grouped_swiglu(x, w_gate, w_up, group_sizes):
     """silu(x @ w_gate[g]) * (x @ w_up[g]): one Pallas pass on GPU (faster than two grouped
     matmuls: docs/lab), ragged_dot on CPU."""
     if jax.default_backend() == "gpu":
+        if isinstance(w_gate, Fp8Experts):
+            return grouped_swiglu(x, w_gate.values, w_up.values, group_sizes,
+                                  (w_gate.scale, w_up.scale))
         return grouped_swiglu(x, w_gate, w_up, group_sizes)
-    return (jax.nn.silu(jax.lax.ragged_dot(x, w_gate, group_sizes))
-            * jax.lax.ragged_dot(x, w_up, group_sizes))
+    return (jax.nn.silu(jax.lax.ragged_dot(x, _plain(w_gate, x.dtype), group_sizes))
+            * jax.lax.ragged_dot(x, _plain(w_up, x.dtype), group_sizes))
+
+
+def _plain(w, dtype):
+    return dequantize(w, dtype) if isinstance(w, Fp8Experts) else w
+
+
+def _expert_spec(w, spec: P):
+    """w's shard_map spec: spec, or for FP8 experts spec for the values and [E, N] of it for the
+    scale."""
+    return Fp8Experts(spec, P(spec[0], spec[2])) if isinstance(w, Fp8Experts) else spec
 
 
 def grouped_experts(x, weights, experts, w_gate, w_up, w_down, expert_offset):
@@ -91,13 +108,15 @@ def _experts_tp(x, weights, experts, layer):
         return experts_fn(x, weights, experts, layer["experts_gate"], layer["experts_up"],
                           layer["experts_down"])
     columns, rows = P(None, None, TENSOR), P(None, TENSOR, None)
+    w_gate, w_up, w_down = layer["experts_gate"], layer["experts_up"], layer["experts_down"]
 
     def local(x, weights, experts, w_gate, w_up, w_down):
         return jax.lax.psum(experts_fn(x, weights, experts, w_gate, w_up, w_down), TENSOR)
 
-    return jax.shard_map(local, in_specs=(P(), P(), P(), columns, columns, rows), out_specs=P(),
-                         check_vma=False)(x, weights, experts, layer["experts_gate"],
-                                          layer["experts_up"], layer["experts_down"])
+    specs = (_expert_spec(w_gate, columns), _expert_spec(w_up, columns),
+             _expert_spec(w_down, rows))
+    return jax.shard_map(local, in_specs=(P(), P(), P(), *specs), out_specs=P(),
+                         check_vma=False)(x, weights, experts, w_gate, w_up, w_down)
 
 
 def _experts_ep(x, weights, experts, layer):
@@ -115,9 +134,10 @@ def _experts_ep(x, weights, experts, layer):
         out = jax.lax.psum_scatter(out, DATA, scatter_dimension=0, tiled=True)
         return jax.lax.psum(out, TENSOR)
 
-    return jax.shard_map(local, in_specs=(tokens, tokens, tokens, split, split, split),
-                         out_specs=tokens, check_vma=False)(
-        x, weights, experts, layer["experts_gate"], layer["experts_up"], layer["experts_down"])
+    ws = (layer["experts_gate"], layer["experts_up"], layer["experts_down"])
+    return jax.shard_map(local, in_specs=(tokens, tokens, tokens,
+                                          *(_expert_spec(w, split) for w in ws)),
+                         out_specs=tokens, check_vma=False)(x, weights, experts, *ws)
 
 
 def _moe_mlp(layer: dict, x: jax.Array, args: ModelArgs, experts_fn) -> jax.Array:

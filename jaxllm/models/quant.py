@@ -5,6 +5,9 @@ A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one o
              (per output channel; K minor, the operand layout Hopper's FP8 GEMMs read). Run as
              W8A8: activations quantised per token on the fly, one FP8 x FP8 dot accumulating
              in fp32, then both scales.
+  Fp8Experts values [E, K, N] float8_e4m3fn, scale [E, N] float32: an MoE layer's experts, each
+             per output channel; W8A16 in the grouped matmul (a tile cast after its load, the
+             accumulator scaled), the experts' own [E, K, N] layout kept.
   Int4Weight W4A16 (GPTQ/AWQ checkpoints, pallas_kernels/quant_matmul.py has the layout):
              qweight [K // 8, *out] int32, scales and zeros [K // group, *out], and `perm` [K]
              (GPTQ's act order: x's columns are gathered so each group's rows are contiguous).
@@ -53,6 +56,17 @@ class Fp8Weight:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class Fp8Experts:
+    values: jax.Array  # [E, K, N] float8_e4m3fn
+    scale: jax.Array  # [E, N] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class Int4Weight:
     qweight: jax.Array  # [Kp // 8, *out] int32, quant_matmul's packing, K zero-padded to Kp
     scales: jax.Array  # [Kp // group, *out] compute dtype (0 on the padding rows)
@@ -69,7 +83,7 @@ class Int4Weight:
         return (self.in_features, *self.qweight.shape[1:])
 
 
-QUANTIZED = (Fp8Weight, Int4Weight)
+QUANTIZED = (Fp8Weight, Fp8Experts, Int4Weight)
 
 
 def is_quantized(w) -> bool:
@@ -146,8 +160,18 @@ def quantize_fp8(w: jax.Array) -> Fp8Weight:
     return Fp8Weight(values.T.reshape(*out_shape, k), scale.reshape(out_shape))
 
 
+@jax.jit
+def quantize_fp8_experts(w: jax.Array) -> Fp8Experts:
+    """w [E, K, N] -> Fp8Experts with one scale per (expert, output channel)."""
+    w32 = w.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(w32), axis=1), _MIN_SCALE) / FP8_MAX  # [E, N]
+    return Fp8Experts(jnp.clip(w32 / scale[:, None, :], -FP8_MAX, FP8_MAX).astype(FP8), scale)
+
+
 def dequantize(w, dtype=jnp.float32) -> jax.Array:
-    """The plain [K, *out] matrix a weight stands for (tests, references)."""
+    """The plain matrix a weight stands for ([K, *out]; experts [E, K, N]) (tests, references)."""
+    if isinstance(w, Fp8Experts):
+        return (w.values.astype(jnp.float32) * w.scale[:, None, :]).astype(dtype)
     if isinstance(w, Fp8Weight):
         values = jnp.moveaxis(w.values, -1, 0).astype(jnp.float32)
         return (values * w.scale).astype(dtype)
@@ -198,6 +222,8 @@ def shard_weight(w, sharding: NamedSharding | None):
     put = lambda a, *s: jax.device_put(a, NamedSharding(sharding.mesh, P(*s)))
     if isinstance(w, Fp8Weight):  # the scale is per output channel: replicated over a K split
         return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes))
+    if isinstance(w, Fp8Experts):  # [E, K, N]: the scale [E, N] split as E and N are
+        return Fp8Experts(put(w.values, *spec), put(w.scale, spec[0], spec[2]))
     if w.k_shards != k_shards_of(sharding):
         raise ValueError(f"An int4 weight packed in {w.k_shards} K slices cannot be placed "
                          f"with K split {k_shards_of(sharding)} ways ({sharding.spec}).")
@@ -207,10 +233,12 @@ def shard_weight(w, sharding: NamedSharding | None):
                                partition=spec if any(a is not None for a in spec) else ())
 
 
-# The projections quantised: attention, the dense MLP, Qwen2-MoE's shared expert. Embedding, LM
-# head, router and MoE experts keep the model dtype (vLLM also leaves the LM head unquantised).
+# The projections quantised: attention, the dense MLP, Qwen2-MoE's shared expert, and MoE
+# experts (EXPERT_NAMES, their own layout). Embedding, LM head and router keep the model dtype
+# (vLLM also leaves the LM head unquantised).
 QUANTIZED_NAMES = ("wqkv", "wo", "w_gate_up", "w_down", "shared_gate", "shared_up",
                    "shared_down")
+EXPERT_NAMES = ("experts_gate", "experts_up", "experts_down")
 
 
 def quantize_params_fp8(params: dict, sharding_of: Callable | None = None) -> dict:
@@ -220,12 +248,13 @@ def quantize_params_fp8(params: dict, sharding_of: Callable | None = None) -> di
     layers = []
     for index, layer in enumerate(params["layers"]):
         quantized = dict(layer)
-        for name in QUANTIZED_NAMES:
+        for name in QUANTIZED_NAMES + EXPERT_NAMES:
             if name in layer and not is_quantized(layer[name]):
                 plain = layer[name]
                 sharding = None if sharding_of is None else sharding_of(
                     f"layers.{index}.{name}", plain.shape)
-                quantized[name] = shard_weight(quantize_fp8(plain), sharding)
+                quantize = quantize_fp8_experts if name in EXPERT_NAMES else quantize_fp8
+                quantized[name] = shard_weight(quantize(plain), sharding)
                 plain.delete()
         layers.append(quantized)
     return {**params, "layers": layers}
