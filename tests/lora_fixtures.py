@@ -7,15 +7,18 @@ from __future__ import annotations
 def save_random_peft_adapter(base_model_dir: str, out_dir: str, *, rank: int, target_modules,
                              lora_alpha: float, use_rslora: bool = False, seed: int = 0,
                              rank_pattern: dict | None = None,
-                             alpha_pattern: dict | None = None) -> str:
-    """Wraps the HF model in `base_model_dir` (fp32) with PEFT's LoraConfig, sets every lora_A and
-    lora_B to seeded random values (PEFT starts B at zero, which would make the adapter a no-op)
-    and saves the adapter with PEFT's save_pretrained."""
+                             alpha_pattern: dict | None = None, scale: float = 0.1,
+                             model_class=None) -> str:
+    """Wraps the HF model in `base_model_dir` (fp32; model_class, default the causal LM) with
+    PEFT's LoraConfig, sets every lora_A and lora_B to seeded random values times `scale` (PEFT
+    starts B at zero, which would make the adapter a no-op) and saves the adapter with PEFT's
+    save_pretrained."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    model = (model_class or AutoModelForCausalLM).from_pretrained(base_model_dir,
+                                                                  dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=target_modules,
                         use_rslora=use_rslora, rank_pattern=rank_pattern or {},
                         alpha_pattern=alpha_pattern or {}, lora_dropout=0.0, bias="none")
@@ -24,7 +27,7 @@ def save_random_peft_adapter(base_model_dir: str, out_dir: str, *, rank: int, ta
     with torch.no_grad():
         for name, param in sorted(peft_model.named_parameters()):
             if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+                param.copy_(scale * torch.randn(param.shape, generator=gen))
     peft_model.save_pretrained(out_dir)
     return out_dir
 

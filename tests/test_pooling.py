@@ -253,23 +253,29 @@ def test_qwen3_embedder_lora_equals_hf_peft(tmp_path, tiny_tokenizer):
     llm = LLM(path, runner="pooling", enable_lora=True, max_loras=1, max_lora_rank=8,
               max_model_len=32, max_num_seqs=4)
     texts = ["The quick brown fox", "Hello world, how are you today?", "JAX"]
-    order = [(t, k) for k in range(3) for t in range(3)][::-1]  # a1, a0, base; several batches
+    assert_mixed_lora_embeddings(llm, texts, loras, lambda lora: _hf_last_hidden(
+        path, texts, llm.get_tokenizer(), lora and lora.lora_path))
+
+
+def assert_mixed_lora_embeddings(llm, texts: list[str], loras: list, reference) -> None:
+    """One embed call over every (text, adapter) pair, adapters interleaved so batches mix
+    them: nothing compiles, each adapter's embeddings equal reference(lora) (cosine >= 0.99999)
+    and differ from the base model's."""
+    order = [(t, k) for k in range(len(loras)) for t in range(len(texts))][::-1]
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
-        outputs = llm.embed([texts[t] for t, _ in order], lora_request=[loras[k] for _, k in order],
-                            use_tqdm=False)
+        outputs = llm.embed([texts[t] for t, _ in order],
+                            lora_request=[loras[k] for _, k in order], use_tqdm=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
     ours = {key: o.outputs.embedding for key, o in zip(order, outputs)}
-    tokenizer = llm.get_tokenizer()
+    base = np.array([ours[t, 0] for t in range(len(texts))])
     for k, lora in enumerate(loras):
-        reference = _hf_last_hidden(path, texts, tokenizer, lora and lora.lora_path)
-        mine = np.array([ours[t, k] for t in range(3)])
-        assert cosines(mine, reference).min() >= 0.99999, k
+        mine = np.array([ours[t, k] for t in range(len(texts))])
+        assert cosines(mine, reference(lora)).min() >= 0.99999, k
         if k:  # the adapter changes the embedding
-            base = np.array([ours[t, 0] for t in range(3)])
             assert cosines(mine, base).max() < 0.999
 
 
@@ -286,20 +292,11 @@ def test_pooling_batches_keep_within_max_loras_with_the_step_in_flight():
 
 
 def _bert_peft_adapter(base: str, out: str, rank: int, seed: int, targets: list[str]) -> str:
-    """A random PEFT adapter on the BertModel in `base` (PEFT starts B at zero: all randomised)."""
-    import torch
+    """A random PEFT adapter on the BertModel in `base`."""
     import transformers
-    from peft import LoraConfig, get_peft_model
-    model = transformers.BertModel.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                  target_modules=targets))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_A." in name or ".lora_B." in name:
-                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-    peft_model.save_pretrained(out)
-    return out
+    return save_random_peft_adapter(base, out, rank=rank, lora_alpha=2 * rank, seed=seed,
+                                    target_modules=targets, scale=0.5,
+                                    model_class=transformers.BertModel)
 
 
 def _bert_cls(path: str, adapter: str | None, texts: list[str], tokenizer) -> np.ndarray:
@@ -328,24 +325,8 @@ def test_bert_embedder_lora_equals_hf_peft(tmp_path, minilm_dir):
     llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64,
               max_num_seqs=4)
     texts = SENTENCES[:3]
-    order = [(t, k) for k in range(3) for t in range(3)][::-1]
-    counter = CompileCounter()
-    jax.monitoring.register_event_duration_secs_listener(counter)
-    try:
-        outputs = llm.embed([texts[t] for t, _ in order],
-                            lora_request=[loras[k] for _, k in order], use_tqdm=False)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(counter)
-    assert counter.count == 0, f"{counter.count} compilations after warm-up"
-    ours = {key: o.outputs.embedding for key, o in zip(order, outputs)}
-    tokenizer = llm.get_tokenizer()
-    for k, lora in enumerate(loras):
-        reference = _bert_cls(path, lora and lora.lora_path, texts, tokenizer)
-        mine = np.array([ours[t, k] for t in range(3)])
-        assert cosines(mine, reference).min() >= 0.99999, k
-        if k:  # the adapter changes the embedding
-            base = np.array([ours[t, 0] for t in range(3)])
-            assert cosines(mine, base).max() < 0.999
+    assert_mixed_lora_embeddings(llm, texts, loras, lambda lora: _bert_cls(
+        path, lora and lora.lora_path, texts, llm.get_tokenizer()))
 
 
 def test_bert_adapter_on_an_unsupported_module_is_refused(tmp_path, minilm_dir):
