@@ -202,10 +202,7 @@ def _locate(module_key: str, args, path: str) -> tuple[int, str]:
         raise ValueError(f"LoRA adapter {path}: target module {module_key} is not supported: "
                          f"{what} not among the modules jaxllm applies LoRA to "
                          f"({', '.join(LORA_TARGETS)} of the decoder layers).")
-    layer, target = int(match["layer"]), match["target"]
-    if layer >= args.num_layers:
-        raise ValueError(f"LoRA adapter {path}: {module_key} is beyond the base model, which has "
-                         f"{args.num_layers} layers.")
+    layer, target = _layer_index(match, module_key, args, path), match["target"]
     if match["parent"] == "mlp" and args.layer_mlp_kind(layer) != "dense":
         raise ValueError(f"LoRA adapter {path}: target module {module_key} is not supported: "
                          f"layer {layer}'s MLP is a mixture of experts.")
@@ -218,11 +215,15 @@ def _locate_in_encoder(module_key: str, args, path: str) -> tuple[int, str]:
         raise ValueError(f"LoRA adapter {path}: target module {module_key} is not supported: "
                          f"not among the modules jaxllm applies LoRA to in an encoder "
                          f"({', '.join(ENCODER_TARGETS)} of the encoder layers).")
+    return _layer_index(match, module_key, args, path), ENCODER_TARGETS[match["target"]]
+
+
+def _layer_index(match: re.Match, module_key: str, args, path: str) -> int:
     layer = int(match["layer"])
     if layer >= args.num_layers:
         raise ValueError(f"LoRA adapter {path}: {module_key} is beyond the base model, which has "
                          f"{args.num_layers} layers.")
-    return layer, ENCODER_TARGETS[match["target"]]
+    return layer
 
 
 def _rank_and_alpha(config: dict, module_key: str) -> tuple[int, float]:

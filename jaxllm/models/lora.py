@@ -36,7 +36,6 @@ class LoRALayout:
     """Where a model family's adapters go."""
     shapes: dict[str, tuple[int, int]]  # target -> (in, out): HF's Linear(in, out)
     groups: dict[str, tuple[str, ...]]  # group -> its targets in output order, every layer
-    num_layers: int
     heads: tuple[int, int, int, int]  # (q size, kv size, kv heads, head dim) of the q/k/v group
 
 
@@ -49,13 +48,11 @@ def layout_of(args) -> LoRALayout:
         # the MLP's groups only in a dense model (experts take no adapters)
         groups = {g: m for g, m in GROUPS.items()
                   if args.mlp_kind == "dense" or g in ("qkv", "o")}
-        return LoRALayout(shapes, groups, args.num_layers,
-                          (q, kv, args.num_kv_heads, args.head_dim))
+        return LoRALayout(shapes, groups, (q, kv, args.num_kv_heads, args.head_dim))
     h, i = args.hidden_size, args.intermediate_size
     shapes = {"query": (h, h), "key": (h, h), "value": (h, h), "attn_out": (h, h),
               "intermediate": (h, i), "output": (i, h)}
-    return LoRALayout(shapes, ENCODER_GROUPS, args.num_layers,
-                      (h, h, args.num_heads, args.head_dim))
+    return LoRALayout(shapes, ENCODER_GROUPS, (h, h, args.num_heads, args.head_dim))
 
 
 def module_shapes(args) -> dict[str, tuple[int, int]]:

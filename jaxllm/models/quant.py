@@ -142,30 +142,32 @@ def _int4_local(x, qweight, scales, zeros, perm=None) -> jax.Array:
     return y.reshape(x.shape[0], *qweight.shape[1:])
 
 
+def _to_fp8(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """x -> (float8_e4m3fn values, fp32 scale kept as a size-1 `axis`): the scale is the absolute
+    max over `axis` / 448, and x ~ values * scale."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=axis, keepdims=True), _MIN_SCALE) / FP8_MAX
+    return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
 def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [T, K] -> (float8_e4m3fn [T, K], fp32 scale [T, 1]): x ~ values * scale, per token."""
-    x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    scale = jnp.maximum(amax, _MIN_SCALE) / FP8_MAX
-    return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+    return _to_fp8(x, -1)
 
 
 @jax.jit
 def quantize_fp8(w: jax.Array) -> Fp8Weight:
     """w [K, *out] -> Fp8Weight with one scale per output channel (its absolute max / 448)."""
     k, out_shape = w.shape[0], w.shape[1:]
-    flat = w.astype(jnp.float32).reshape(k, -1)
-    scale = jnp.maximum(jnp.max(jnp.abs(flat), axis=0), _MIN_SCALE) / FP8_MAX  # [N]
-    values = jnp.clip(flat / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    values, scale = _to_fp8(w.reshape(k, -1), 0)  # [K, N], [1, N]
     return Fp8Weight(values.T.reshape(*out_shape, k), scale.reshape(out_shape))
 
 
 @jax.jit
 def quantize_fp8_experts(w: jax.Array) -> Fp8Experts:
     """w [E, K, N] -> Fp8Experts with one scale per (expert, output channel)."""
-    w32 = w.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(w32), axis=1), _MIN_SCALE) / FP8_MAX  # [E, N]
-    return Fp8Experts(jnp.clip(w32 / scale[:, None, :], -FP8_MAX, FP8_MAX).astype(FP8), scale)
+    values, scale = _to_fp8(w, 1)  # [E, K, N], [E, 1, N]
+    return Fp8Experts(values, scale[:, 0])
 
 
 def dequantize(w, dtype=jnp.float32) -> jax.Array:
