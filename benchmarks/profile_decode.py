@@ -78,6 +78,17 @@ def profile_workload(engine, workload: str, windows: list[int], num_steps: int, 
     return results
 
 
+def _random_adapter(model: str, rank: int, out: str):
+    """A random PEFT adapter on all seven projections, in a folder beside the results."""
+    from jaxllm import LoRARequest
+    from jaxllm.bench import roofline
+    from lora_gpu import save_dummy_adapter
+
+    args = roofline.model_args_of(model, "dummy" if not os.path.isdir(model) else "auto")
+    return LoRARequest("profiled", 1, save_dummy_adapter(os.path.join(out, "adapter"), args,
+                                                          rank, 0))
+
+
 def main() -> None:
     import jax
 
@@ -96,6 +107,12 @@ def main() -> None:
     parser.add_argument("--window", type=int, action="append", help="first step of a window")
     parser.add_argument("--pallas-kv-write", action="store_true",
                         help="the engine writes K/V with the Pallas kernel, not the scatter")
+    parser.add_argument("--quantization", help="fp8 or an int4 checkpoint's method")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--random-int4", action="store_true",
+                        help="every projection replaced by random packed int4 (group 128)")
+    parser.add_argument("--lora-rank", type=int,
+                        help="LoRA on, every sequence on a random adapter of this rank")
     a = parser.parse_args()
     if a.pallas_kv_write:
         from pallas_kernels import kv_write  # the A/B: the engine takes write_kv when built
@@ -105,17 +122,24 @@ def main() -> None:
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,
               max_num_seqs=256, max_num_batched_tokens=2048,
               enforce_eager=not a.workload,  # a workload's windows must not compile buckets
-              async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size)
+              async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
+              quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+              **(dict(enable_lora=True, max_lora_rank=a.lora_rank) if a.lora_rank else {}))
     engine = llm.llm_engine
+    if a.random_int4:
+        from quant_gpu import random_int4
+        engine.runner.params = random_int4(engine.runner.params)
+    lora = _random_adapter(a.model, a.lora_rank, a.out) if a.lora_rank else None
     results = {}
     if a.workload:
         results = profile_workload(engine, a.workload, a.window or [20], a.steps, a.out)
     for batch in a.batch or ([] if a.workload else [1]):
-        measure_decode_step(engine, batch, a.context, 2)  # compile
-        untraced = measure_decode_step(engine, batch, a.context, 4 * a.steps)
+        measure_decode_step(engine, batch, a.context, 2, lora_request=lora)  # compile
+        untraced = measure_decode_step(engine, batch, a.context, 4 * a.steps, lora_request=lora)
         trace_dir = os.path.join(a.out, f"trace_b{batch}")
         traced = measure_decode_step(engine, batch, a.context, a.steps, around_timed_steps=(
-            lambda d=trace_dir: jax.profiler.trace(d, create_perfetto_trace=True)))
+            lambda d=trace_dir: jax.profiler.trace(d, create_perfetto_trace=True)),
+            lora_request=lora)
         timing = {"batch": batch, "wall_ms_per_step": traced["mean_step_ms"],
                   "untraced_wall_ms_per_step": untraced["mean_step_ms"],
                   **kernel_summary(trace_dir, a.steps)}

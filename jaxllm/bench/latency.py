@@ -68,10 +68,12 @@ def _decode_tokens_needed(engine, batch_size: int, context_len: int, num_steps: 
 
 
 def measure_decode_step(engine, batch_size: int, context_len: int, num_steps: int,
-                        seed: int = 0, around_timed_steps=contextlib.nullcontext) -> dict:
+                        seed: int = 0, around_timed_steps=contextlib.nullcontext,
+                        lora_request=None) -> dict:
     """Prefills batch_size random prompts of context_len tokens, then times num_steps engine
     steps in which every sequence decodes one token, inside `around_timed_steps()` (e.g. a
-    profiler trace). engine: an EngineCore with nothing running."""
+    profiler trace). engine: an EngineCore with nothing running; lora_request: the adapter
+    every sequence runs with."""
     if engine.has_unfinished_requests():
         raise ValueError("measure_decode_step needs an idle engine.")
     max_tokens = _decode_tokens_needed(engine, batch_size, context_len, num_steps)
@@ -79,7 +81,7 @@ def measure_decode_step(engine, batch_size: int, context_len: int, num_steps: in
     params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=max_tokens)
     ids = [f"decode-bench-{seed}-{i}" for i in range(batch_size)]
     for request_id, r in zip(ids, requests):
-        engine.add_request(request_id, r.prompt, params)
+        engine.add_request(request_id, r.prompt, params, lora_request=lora_request)
     started: set[str] = set()
     try:
         while len(started) < batch_size:  # prefill; the last prefill chunk samples token 1
