@@ -25,6 +25,10 @@
    draft (the same dummy weights: every draft accepted, the mechanism's upper bound with the
    cost of an 8B draft). Each line gives the draft's ms per proposal round (k draft steps for
    the batch). With --cpu the default model is its own draft.
+5. Batch-1 TPOT with an EAGLE head (k = 4, drafting on device after each step), random heads in
+   the public layout for the target's shape: a random one (its drafts are rejected: what EAGLE's
+   drafting costs per step) and a near-identity one (it drafts the last token again: accepted
+   where the dummy model's greedy text repeats).
 Writes DIR/spec_decode_gpu.json and prints one line per measurement.
 """
 
@@ -173,7 +177,58 @@ def run(args) -> dict:
     for name, draft in args.drafts.items() if "draft_model" in args.parts else ():
         run_draft_model(args, name, draft, prompt, expected, results)
         release_memory()
+    for name in ("random", "identity") if "eagle" in args.parts else ():
+        run_eagle(args, name, prompt, expected, results)
+        release_memory()
     return results
+
+
+def save_eagle_head(out_dir: str, hf_config: dict, identity: bool, seed: int = 0) -> str:
+    """A random EAGLE (v1) head for a target of hf_config, in the public checkpoints' layout
+    (fp16 safetensors); identity: fc passes the feature on and attention and MLP add nothing,
+    so the head drafts the target's last token again."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    h, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
+    heads = hf_config["num_attention_heads"]
+    d = hf_config.get("head_dim") or h // heads
+    q, kv = heads * d, (hf_config.get("num_key_value_heads") or heads) * d
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+              "mlp.down_proj.weight": (h, inter)}
+    tensors = {f"layers.0.{name}": (0.02 * rng.standard_normal(shape, np.float32)
+                                    ).astype(np.float16) for name, shape in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = np.ones(h, np.float16)
+    fc = 0.02 * rng.standard_normal((h, 2 * h), np.float32)
+    if identity:
+        fc[:, :h], fc[:, h:] = 0, np.eye(h)
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            tensors[f"layers.0.{name}"][:] = 0
+    tensors["fc.weight"] = fc.astype(np.float16)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**hf_config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1},
+                  f)
+    return out_dir
+
+
+def run_eagle(args, name: str, prompt: list[int], expected: list[int], results: dict) -> None:
+    """Batch-1 TPOT with k = 4 EAGLE drafts from a random head of the target's shape."""
+    import tempfile
+
+    from jaxllm.loader.loader import read_hf_config
+
+    hf_config = read_hf_config(resolve_model_path(args.model, args.load_format),
+                               args.load_format)
+    head = save_eagle_head(tempfile.mkdtemp(prefix=f"eagle_{name}_"), hf_config,
+                           name == "identity")
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 4}
+    llm = make_llm(args, spec, max_num_seqs=8, max_num_batched_tokens=512)
+    tpot(llm, prompt, 8)  # --cpu runs eager: its first steps compile
+    tpot_with_drafts(llm, f"eagle_{name}", prompt, expected, args.tpot_tokens, results)
 
 
 def run_plain(args, prompt: list[int], results: dict) -> list[int]:
@@ -249,9 +304,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true",
                         help="the default model (real weights), small sizes: test the logic")
-    parser.add_argument("--parts", default="ngram,draft_model",
-                        help="which of ngram (measurements 1-3) and draft_model (4) to run, "
-                             "beside plain decode (a GPU call too short for all of them)")
+    parser.add_argument("--parts", default="ngram,draft_model,eagle",
+                        help="which of ngram (measurements 1-3), draft_model (4) and eagle (5) "
+                             "to run, beside plain decode (a GPU call too short for all)")
     args = parser.parse_args()
     args.parts = set(args.parts.split(","))
     if args.cpu:

@@ -195,10 +195,9 @@ class PoolerConfig:
 
 
 # -- speculative decoding (vLLM's --speculative-config) ---------------------------------------
-IMPLEMENTED_METHODS = ("ngram", "draft_model")
+IMPLEMENTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM's methods that jaxllm refuses by name until they land (docs/design.md).
-NOT_IMPLEMENTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
-                           "suffix")
+NOT_IMPLEMENTED_METHODS = ("mtp", "medusa", "mlp_speculator", "suffix")
 # Speculation stops for a step whose running batch has at least this many requests. A
 # placeholder until the H200 measurement of benchmarks/spec_decode_gpu.py decides it (the batch
 # size where a k-token verification step costs more than the tokens it saves).
@@ -231,8 +230,8 @@ class SpeculativeConfig:
                              f"{self.disable_by_batch_size}.")
         if self.method == "ngram":
             self._check_prompt_lookup()
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config needs 'model' for method draft_model.")
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config needs 'model' for method {self.method}.")
 
     def _check_prompt_lookup(self) -> None:
         if self.prompt_lookup_min < 1:

@@ -39,7 +39,8 @@ def test_config_defaults_as_vllm():
 
 
 @pytest.mark.parametrize("values, match", [
-    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "'eagle3' is not supported"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "'mtp' is not supported"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model' for method eagle3"),
     ({"method": "draft_model", "num_speculative_tokens": 2},
      "needs 'model' for method draft_model"),
     ({"method": "nope", "num_speculative_tokens": 2}, "Unknown speculative decoding method"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass, fields, replace
 
@@ -146,9 +147,23 @@ class EngineArgs:
                              "(--enable-expert-parallel and data_parallel_size > 1) is not "
                              "supported yet.")
         spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.method in ("eagle", "eagle3"):
+            self._check_eagle(spec)
         if spec.method != "draft_model":
             return spec
         return replace(spec, draft_model_config=self._draft_model_config(spec, target))
+
+    def _check_eagle(self, spec: SpeculativeConfig) -> None:
+        """The head runs on one device beside the target (its KV under the target's block
+        tables); the head's checkpoint is read when the engine is built."""
+        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
+        if max(sizes) > 1:
+            raise ValueError(f"Speculative decoding with method {spec.method} is not supported "
+                             "with tensor, pipeline or data parallelism (size > 1) yet (got "
+                             f"{', '.join(map(str, sizes))}).")
+        if not os.path.isdir(spec.model):
+            raise ValueError(f"The {spec.method} head {spec.model!r} is not a local directory "
+                             "(an HF-format checkpoint: config.json and its weights).")
 
     def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
         """The draft model, loaded as the target (load_format, dtype, seed, max_model_len): read

@@ -19,11 +19,14 @@ from jaxllm.engine.draft_proposer import DraftModelProposer
 from jaxllm.engine.engine_core import EngineCore
 from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
 from jaxllm.engine.pooling_builder import build_pooling_engine
+from jaxllm.loader.eagle_loader import load_eagle_head, read_eagle_args
 from jaxllm.models import ModelArgs
+from jaxllm.models.attention import attention_backend
 from jaxllm.sharding.mesh import make_mesh
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.worker import kv_cache
+from jaxllm.worker.eagle_drafter import EagleDrafter
 from jaxllm.worker.lora_slots import make_lora_slots
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pipeline import FrontStage, Pipeline
@@ -62,9 +65,11 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
     dp_size = 1 if mesh is None else mesh.shape["data"]
     sharded = load_for_engine(config, mesh)
     draft = _load_draft(config, log)
+    sharded.eagle = _load_eagle(config, sharded, log)
     num_blocks = config.cache_config.num_gpu_blocks_override
     if num_blocks is None:
-        block_bytes = _block_bytes(config, sharded) + (_block_bytes(*draft) if draft else 0)
+        block_bytes = (_block_bytes(config, sharded) + (_block_bytes(*draft) if draft else 0)
+                       + _eagle_block_bytes(config, sharded))
         num_blocks = _measure_num_blocks(config, sharded, dp_size, block_bytes, mesh)
     proposer = _make_proposer(config, draft, num_blocks, log)
     return _assemble_core(config, sharded, dp_size, num_blocks, log, proposer)
@@ -119,10 +124,47 @@ def _load_draft(config: EngineConfig, log) -> tuple[EngineConfig, ShardedModel] 
     return draft_config, load_for_engine(draft_config, None)
 
 
+def _load_eagle(config: EngineConfig, sharded: ShardedModel, log):
+    """(EagleArgs, params) of an EAGLE / EAGLE-3 head, or None; binds EAGLE-3's feature
+    layers into the target's forward."""
+    spec = config.speculative_config
+    if spec is None or spec.method not in ("eagle", "eagle3"):
+        return None
+    head = read_eagle_args(spec.model, spec.method, sharded.args)
+    log(f"{spec.method} head for speculative decoding: {spec.model}")
+    params = load_eagle_head(spec.model, head, jax.tree.leaves(sharded.loaded.params)[0].dtype)
+    if head.eagle3:
+        sharded.model_fn = partial(sharded.model_fn, aux_layers=head.aux_layers)
+    return head, params
+
+
+def _eagle_block_bytes(config: EngineConfig, sharded: ShardedModel) -> int:
+    """The head's one layer of KV per block (in the model's dtype)."""
+    if sharded.eagle is None:
+        return 0
+    head, params = sharded.eagle
+    return kv_cache.bytes_per_block(1, config.cache_config.block_size, head.layer.num_kv_heads,
+                                    head.layer.head_dim, params["fc"].dtype)
+
+
+def _make_drafter(config: EngineConfig, sharded: ShardedModel, num_blocks: int):
+    if sharded.eagle is None:
+        return None
+    head, params = sharded.eagle
+    block_size = config.cache_config.block_size
+    cache = kv_cache.allocate_kv_caches(1, num_blocks, block_size, head.layer.num_kv_heads,
+                                        head.layer.head_dim, params["fc"].dtype)[0]
+    attn, _ = attention_backend(config.runner_config.attention_backend)
+    return EagleDrafter(head, params, cache, config.speculative_config.num_speculative_tokens,
+                        attn, block_size)
+
+
 def _make_proposer(config: EngineConfig, draft: tuple[EngineConfig, ShardedModel] | None,
                    num_blocks: int, log) -> Proposer | None:
+    """The host-side proposer (n-gram, draft model); None without one (EAGLE drafts inside
+    the runner)."""
     spec = config.speculative_config
-    if spec is None:
+    if spec is None or spec.method in ("eagle", "eagle3"):
         return None
     if draft is None:
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -162,7 +204,8 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                        max_num_batched_tokens=sched.max_num_batched_tokens, dp_size=dp_size,
                        lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config),
                        pipeline=_make_pipeline(sharded, allocate),
-                       lora_slots=_lora_slots(config, sharded))
+                       lora_slots=_lora_slots(config, sharded),
+                       drafter=_make_drafter(config, sharded, dp_size * num_blocks))
 
 
 def _lora_slots(config: EngineConfig, sharded: ShardedModel):

@@ -167,16 +167,20 @@ class EngineCore(LoRAAdmin):
         if stopped:
             self.scheduler.finish_requests([r.request_id for r in stopped],
                                            RequestStatus.FINISHED_STOPPED)
-        if self.proposer is not None:
-            self._propose_drafts(updated)
+        if self.proposer is not None or result.draft_token_ids is not None:
+            self._propose_drafts(updated, result.draft_token_ids)
         return outputs
 
-    def _propose_drafts(self, updated) -> None:
+    def _propose_drafts(self, updated, step_drafts: dict[str, list[int]] | None) -> None:
         """Drafts for the requests that got tokens, to verify in the next step (none while the
-        batch is too large for speculation to pay)."""
-        if self.scheduler.speculation_on():
-            self.scheduler.update_draft_token_ids(self.proposer.propose_batch(
-                {r.request_id: r.all_token_ids for r in updated if not r.is_finished()}))
+        batch is too large for speculation to pay): the step's own (EAGLE drafts on device
+        after each step), else the proposer's."""
+        if not self.scheduler.speculation_on():
+            return
+        if step_drafts is None:
+            step_drafts = self.proposer.propose_batch(
+                {r.request_id: r.all_token_ids for r in updated if not r.is_finished()})
+        self.scheduler.update_draft_token_ids(step_drafts)
 
     def _count_iteration(self, num_tokens: int) -> None:
         self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1

@@ -70,7 +70,8 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
                      args: ModelArgs, attn: Callable, write_kv: Callable,
                      lora: TokenLoRA | None):
     num_tokens = x.shape[0]
-    h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps)
+    # A layer without an input norm (EAGLE's draft layer) reads x as it is.
+    h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps) if "attn_norm" in layer else x
     q, k, v = _qkv(layer, h, args, lora)
     if args.qk_norm:
         q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
@@ -88,19 +89,24 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
 
 def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelArgs,
             attn: Callable = ragged_paged_attention_reference,
-            write_kv: Callable = write_kv_reference, return_hidden: bool = False):
+            write_kv: Callable = write_kv_reference, return_hidden: bool = False,
+            aux_layers: tuple[int, ...] = ()):
     """-> (logits [S, V] float32 at batch.logits_indices, updated kv_caches), and with
-    return_hidden also the final-normed hidden states of every token [T, H] (prompt logprobs).
-    params in the compute layout (`fuse_params`).
+    return_hidden also the final-normed hidden states of every token [T, H] (prompt logprobs)
+    and, given aux_layers, the residual streams entering those layers side by side
+    [T, len(aux_layers) * H] (EAGLE-3's features). params in the compute layout (`fuse_params`).
 
     Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32. With LoRA,
     params["lora"] holds every layer's adapter stacks (models/lora.py) and batch.lora_slots
     each token's slot.
     """
     x = embed_tokens(params, batch)
+    aux = []
     x, new_caches = run_layers(params["layers"], kv_caches, x, batch, args=args, attn=attn,
-                               write_kv=write_kv, loras=params.get("lora"))
-    return final_outputs(params, x, batch, new_caches, args=args, return_hidden=return_hidden)
+                               write_kv=write_kv, loras=params.get("lora"),
+                               capture=dict.fromkeys(aux_layers, aux))
+    outputs = final_outputs(params, x, batch, new_caches, args=args, return_hidden=return_hidden)
+    return (*outputs, jnp.concatenate(aux, -1)) if aux_layers and return_hidden else outputs
 
 
 def embed_tokens(params: dict, batch: StepBatch) -> jax.Array:
@@ -111,20 +117,29 @@ def embed_tokens(params: dict, batch: StepBatch) -> jax.Array:
 def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: StepBatch, *,
                args: ModelArgs, attn: Callable = ragged_paged_attention_reference,
                write_kv: Callable = write_kv_reference,
-               loras: list[dict] | None = None) -> tuple[jax.Array, KVCache]:
+               loras: list[dict] | None = None,
+               residual: jax.Array | None = None,
+               capture: dict[int, list] | None = None) -> tuple[jax.Array, KVCache]:
     """A contiguous range of decoder layers (all of them, or one pipeline stage's) with their
     KV caches, over the residual stream x [T, H] -> (x, updated kv_caches). loras: the layers'
-    LoRA adapter stacks (models/lora.py), read at batch.lora_slots."""
+    LoRA adapter stacks (models/lora.py), read at batch.lora_slots. residual: the stream the
+    first layer's attention output adds to, when that layer reads another input x (EAGLE-3's
+    draft layer attends over [embedding; feature], [T, 2H]). capture: layer index -> a list
+    the stream entering that layer is appended to."""
     mlp = MLPS[args.mlp_kind][0]
     cos, sin = rope_cos_sin(batch.positions, args)
     new_caches = []
     loras = loras or [None] * len(layers)
     mlp_lora = args.mlp_kind == "dense"  # experts take no adapters (models/lora.py)
-    for layer, (k_cache, v_cache), stacks in zip(layers, kv_caches, loras, strict=True):
+    for index, (layer, (k_cache, v_cache), stacks) in enumerate(zip(layers, kv_caches, loras,
+                                                                    strict=True)):
+        if capture and index in capture:
+            capture[index].append(x)
         lora = None if stacks is None else TokenLoRA(stacks, batch.lora_slots)
         out, k_cache, v_cache = _attention_block(layer, x, k_cache, v_cache, batch, cos, sin,
                                                  args, attn, write_kv, lora)
-        x = x + out
+        x = (x if residual is None else residual) + out
+        residual = None
         h = rms_norm(x, layer["mlp_norm"], args.rms_norm_eps)
         x = x + (mlp(layer, h, args, lora=lora) if lora and mlp_lora else mlp(layer, h, args))
         new_caches.append((k_cache, v_cache))

@@ -37,6 +37,7 @@ from jaxllm.sample.sampler import SamplerStages
 from jaxllm.worker import step as step_fn
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.draft_rows import DraftRowBuilder
+from jaxllm.worker.eagle_drafter import EagleDrafter
 from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.packing import pack
 from jaxllm.worker.pipeline import Pipeline
@@ -68,6 +69,11 @@ def _logprob_entry(tensors, row: int, num_top: int) -> LogprobEntry:
             tensors.top_ids[row, :num_top].tolist(), tensors.top_logprobs[row, :num_top].tolist())
 
 
+def _until_negative(values: np.ndarray) -> list[int]:
+    ends = np.flatnonzero(values < 0)
+    return values[:ends[0] if ends.size else len(values)].tolist()
+
+
 def _uses_penalties(params) -> bool:
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
@@ -81,6 +87,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[LogprobEntry]]  # one per sampled token, for requests that ask
     # request id -> [(prompt position scored, entry)], only for requests that ask
     prompt_logprobs: dict[str, list[tuple[int, LogprobEntry]]]
+    # EAGLE: per request that sampled, the drafts to verify next (None: no drafter ran)
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass
@@ -93,6 +101,7 @@ class LaunchedStep:
     sampled: sampler.SamplerOutput  # on device
     prompt_logprobs: object  # LogprobsTensors on device, or None
     num_accepted: object = None  # [S] accepted drafts on device (speculative decoding)
+    drafts: object = None  # [S, k] EAGLE's drafts on device
 
 
 @dataclass
@@ -121,7 +130,8 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dp_size: int = 1, lean_steps: bool | None = None, num_spec_tokens: int = 0,
                  max_spec_seqs: int = 0, pipeline: Pipeline | None = None,
-                 lora_slots: LoRASlots | None = None) -> None:
+                 lora_slots: LoRASlots | None = None,
+                 drafter: EagleDrafter | None = None) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
@@ -140,7 +150,10 @@ class ModelRunner:
         params, kv_caches and model_fn are then the last stage's (worker/pipeline.py).
 
         lora_slots (LoRA enabled, one DP rank, one stage): each token reads its request's
-        adapter slot; the stacks ride in params["lora"]."""
+        adapter slot; the stacks ride in params["lora"].
+
+        drafter (EAGLE): drafts on device after each step whose batch may speculate (fewer
+        than max_spec_seqs + 1 sequences), from the step's features."""
         self.pipeline = pipeline
         self.lora = lora_slots
         self.params = params if lora_slots is None else lora_slots.with_stacks(params)
@@ -166,6 +179,8 @@ class ModelRunner:
         self._compiled: dict = {}  # (packed-input layout, stages) -> the step compiled for it
         self.draft_rows = (DraftRowBuilder(num_spec_tokens, min(max_spec_seqs, max_num_seqs),
                                            self.garbage_row) if num_spec_tokens else None)
+        self.drafter = drafter
+        self.max_spec_seqs = max_spec_seqs
 
     @property
     def kv_caches(self):
@@ -197,15 +212,27 @@ class ModelRunner:
                                            layout=layout, stages=stages)
         return out
 
-    def _dispatch(self, inputs: StepInputs, stages: SamplerStages):
-        """The step, then (programs without conds) prompt logprobs when asked: (SamplerOutput,
+    def _dispatch(self, inputs: StepInputs, stages: SamplerStages) -> tuple[StepOutput, object]:
+        """The step, then (programs without conds) prompt logprobs when asked: (StepOutput,
         prompt LogprobsTensors or None) on device."""
         out = self._run_step(inputs, stages)
         if stages == SamplerStages.COND:
-            return out.sampled, out.prompt_logprobs, out.num_accepted
-        return out.sampled, (step_fn.prompt_logprobs(self.params, out.hidden,
-                                                     inputs.next_prompt_ids, model=self.model)
-                             if inputs.any_prompt_logprobs else None), out.num_accepted
+            return out, out.prompt_logprobs
+        return out, (step_fn.prompt_logprobs(self.params, out.hidden, inputs.next_prompt_ids,
+                                             model=self.model)
+                     if inputs.any_prompt_logprobs else None)
+
+    def _draft(self, inputs: StepInputs, out: StepOutput, chunks: list[ScheduledChunk],
+               first_rows: np.ndarray):
+        """EAGLE's drafts after a step (on device), or None: no drafter, or a batch too large
+        to speculate (the scheduler grants no drafts then; the head's KV for this step's
+        positions is then missing, which costs acceptance, not correctness)."""
+        if self.drafter is None or len(chunks) > self.max_spec_seqs:
+            return None
+        rows = np.fromiter((c.state.row for c in chunks), np.int32, len(chunks))
+        return self.drafter.launch(
+            self.params, inputs, chunks, first_rows, self.requests.block_tables.num_blocks[rows],
+            out.hidden if out.aux is None else out.aux, out.sampled.token_ids, out.num_accepted)
 
     def _stages_for(self, inputs: StepInputs) -> SamplerStages:
         if not self.lean_steps:
@@ -234,7 +261,9 @@ class ModelRunner:
         num_tokens_padded, num_seqs_padded = self.bucket_for(
             max(out.total_num_scheduled_tokens for out in rank_outputs))
         inputs, placement = self._build_inputs(rank_chunks, num_tokens_padded, num_seqs_padded)
-        return LaunchedStep(*placement, *self._dispatch(inputs, self._stages_for(inputs)))
+        out, prompt_logprobs = self._dispatch(inputs, self._stages_for(inputs))
+        return LaunchedStep(*placement, out.sampled, prompt_logprobs, out.num_accepted,
+                            self._draft(inputs, out, placement[0], placement[1]))
 
     def _assign_lora_slots(self, scheduler_output: SchedulerOutput) -> None:
         """Gives each new request the slot of its adapter, moving adapters in as needed."""
@@ -386,10 +415,12 @@ class ModelRunner:
         want_logprobs = any(c.samples and c.state.sampling_params.logprobs is not None
                             for c in chunks)
         # The one device-to-host transfer of the step.
-        token_ids, logprobs, prompt_lp, num_accepted = jax.device_get(
+        token_ids, logprobs, prompt_lp, num_accepted, drafts = jax.device_get(
             (launched.sampled.token_ids, launched.sampled.logprobs if want_logprobs else None,
-             launched.prompt_logprobs if want_prompt else None, launched.num_accepted))
+             launched.prompt_logprobs if want_prompt else None, launched.num_accepted,
+             launched.drafts))
         sampled, sample_logprobs = {}, {}
+        draft_token_ids = None if drafts is None else {}
         for i, (c, row) in enumerate(zip(chunks, launched.batch_rows.tolist())):
             if not c.samples:
                 continue
@@ -398,6 +429,8 @@ class ModelRunner:
             num_tokens = 1 if num_accepted is None else int(num_accepted[i]) + 1
             sampled[request_id] = token_ids[row:row + num_tokens].tolist()
             self.requests.record_sampled(request_id, sampled[request_id])
+            if drafts is not None:  # sequence i's drafts, up to the first -1
+                draft_token_ids[request_id] = _until_negative(drafts[i])
             num_top = c.state.sampling_params.logprobs
             if want_logprobs and num_top is not None:
                 sample_logprobs[request_id] = [_logprob_entry(logprobs, r, num_top)
@@ -412,7 +445,7 @@ class ModelRunner:
                 (c.start + j + 1,
                  _logprob_entry(prompt_lp, start + j, c.state.sampling_params.prompt_logprobs))
                 for j in range(last)]
-        return ModelRunnerOutput(sampled, sample_logprobs, prompt_logprobs)
+        return ModelRunnerOutput(sampled, sample_logprobs, prompt_logprobs, draft_token_ids)
 
     # -- warm-up and profiling ---------------------------------------------------------------
     def _padding_inputs(self, num_tokens_padded: int) -> StepInputs:
@@ -464,8 +497,9 @@ class ModelRunner:
             # steps' own hidden states) in the pool while the next steps run.
             prompt_programs = []
             for num_tokens_padded, stages in programs:
-                out = self._run_step(self._padding_inputs(num_tokens_padded), stages)
-                jax.block_until_ready(out.sampled)
+                inputs = self._padding_inputs(num_tokens_padded)
+                out = self._run_step(inputs, stages)
+                jax.block_until_ready((out.sampled, self._draft(inputs, out, [], np.zeros(0))))
                 if stages == SamplerStages.ALL:
                     prompt_programs.append(pool.submit(
                         partial(step_fn.prompt_logprobs, model=self.model), self.params,

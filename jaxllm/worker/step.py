@@ -61,11 +61,12 @@ class StepState:
 @dataclass
 class StepOutput:
     sampled: SamplerOutput
-    # COND programs: prompt logprobs [T] computed under a cond. Other programs: the final
-    # hidden states [T, H], from which prompt_logprobs() computes them when asked.
+    # COND programs: prompt logprobs [T] computed under a cond. Other programs: from the final
+    # hidden states [T, H] prompt_logprobs() computes them when asked (EAGLE reads them too).
     prompt_logprobs: LogprobsTensors | None
     hidden: jax.Array | None
     num_accepted: jax.Array | None = None  # [S] accepted drafts (with draft_rows)
+    aux: jax.Array | None = None  # [T, 3H] EAGLE-3's features (forward's aux_layers)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,9 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
     token_ids = jnp.where(token_ids == PLACEHOLDER_TOKEN_ID,
                           state.last_sampled[inputs.token_rows], token_ids)
     batch = dataclasses.replace(inputs.batch, token_ids=replicated(token_ids, model.mesh))
-    logits, kv_caches, hidden = model.forward(params, state.kv_caches, batch, return_hidden=True)
+    logits, kv_caches, hidden, *aux = model.forward(params, state.kv_caches, batch,
+                                                    return_hidden=True)
+    aux = aux[0] if aux else None
     logits = _gather_logits(logits, model.logits_split)
     penalty_state = sampler.record_tokens(state.penalty_state, batch.token_ids,
                                           inputs.token_rows, inputs.token_is_output,
@@ -144,8 +147,8 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
             lambda: chunked_logprobs(partial(model.logits, params), hidden,
                                      inputs.next_prompt_ids),
             lambda: empty_logprobs(hidden.shape[0]))
-        return StepOutput(sampled, prompt_lp, None, num_accepted), new_state
-    return StepOutput(sampled, None, hidden, num_accepted), new_state
+        return StepOutput(sampled, prompt_lp, hidden, num_accepted, aux), new_state
+    return StepOutput(sampled, None, hidden, num_accepted, aux), new_state
 
 
 @jax.tree_util.register_dataclass
