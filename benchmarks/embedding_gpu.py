@@ -61,12 +61,22 @@ def random_batches(vocab: int, batch: int, length: int, count: int, seed: int) -
 
 
 # -- jaxllm ---------------------------------------------------------------------------------------
-def jaxllm_engine(model_dir: str, dtype: str, dummy: bool, batch: int, max_len: int):
+def jaxllm_engine(model_dir: str, dtype: str, dummy: bool, batch: int, max_len: int,
+                  attention_backend: str):
     from jaxllm import LLM
     # enforce_eager: only the shapes measured compile (on their untimed first run)
     return LLM(model_dir, dtype=dtype, max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=batch * max_len, load_format="dummy" if dummy else "auto",
-               enforce_eager=True)
+               enforce_eager=True, attention_backend=attention_backend)
+
+
+def agreement(llm, peer, ids: list[list[int]]) -> float:
+    """The least cosine similarity between jaxllm's and the peer's embedding of a prompt."""
+    ours = np.array([o.outputs.embedding for o in llm.embed(ids, use_tqdm=False)])
+    theirs = peer.embed(ids).float().cpu().numpy()
+    cos = (ours * theirs).sum(-1) / (np.linalg.norm(ours, axis=-1)
+                                     * np.linalg.norm(theirs, axis=-1))
+    return float(cos.min())
 
 
 def jaxllm_throughput(llm, batches: list) -> float:
@@ -149,16 +159,21 @@ class TorchPeer:
 
 # -- the run --------------------------------------------------------------------------------------
 def bench_model(name: str, model_dir: str, dummy: bool, peer: TorchPeer, args, emit) -> None:
-    llm = jaxllm_engine(model_dir, args.dtype, dummy, args.batch, max(args.lengths))
+    llm = jaxllm_engine(model_dir, args.dtype, dummy, args.batch, max(args.lengths),
+                        args.attention_backend)
     vocab = llm.llm_engine.vocab_size
     for length in args.lengths:
         batches = random_batches(vocab, args.batch, length, args.num_batches, length)
         num_seqs = args.batch * args.num_batches
         ours, theirs = jaxllm_throughput(llm, batches), peer.throughput(batches)
+        if args.profile:
+            profile_batch(llm, batches[0], os.path.join(args.out, f"trace_{name}_{length}"), emit)
         emit(dict(model=name, metric="throughput", tokens=length, batch=args.batch,
                   jaxllm_seqs_per_s=num_seqs / ours, jaxllm_tokens_per_s=num_seqs * length / ours,
                   peer_seqs_per_s=num_seqs / theirs, peer_tokens_per_s=num_seqs * length / theirs,
-                  speedup=theirs / ours, peer=peer.name))
+                  speedup=theirs / ours, peer=peer.name,
+                  # dummy weights differ from the peer's random ones: no agreement to check
+                  min_cosine_vs_peer=None if dummy else agreement(llm, peer, batches[0])))
     ids = random_batches(vocab, 1, 8, 1, 0)[0][0]
     ours, theirs = jaxllm_latency(llm, ids, args.latency_runs), peer.latency(ids, args.latency_runs)
     emit(dict(model=name, metric="latency", tokens=8, batch=1, jaxllm_ms=ours * 1e3,
@@ -166,15 +181,37 @@ def bench_model(name: str, model_dir: str, dummy: bool, peer: TorchPeer, args, e
     del llm
 
 
+def profile_batch(llm, prompts: list[list[int]], trace_dir: str, emit) -> None:
+    """One batch under jax.profiler: its wall time and the GPU kernels' time (summed)."""
+    import jax
+
+    from profile_decode import kernel_summary
+    start = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        llm.embed(prompts, use_tqdm=False)
+    wall = time.perf_counter() - start
+    summary = kernel_summary(trace_dir, 1, top=10_000)
+    gpu = {k: v for k, v in summary.items() if "GPU" in k}
+    emit(dict(metric="profile", trace=trace_dir, wall_ms=wall * 1e3,
+              gpu_kernel_ms={k: round(sum(us for _, us in v) / 1e3, 3) for k, v in gpu.items()},
+              top={k: v[:12] for k, v in gpu.items()}))
+
+
+def _cosine_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.5f}"
+
+
 def write_outputs(rows: list[dict], out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "embedding.json"), "w") as f:
         json.dump(rows, f, indent=1)
     lines = ["| model | tokens | batch | jaxllm seq/s | jaxllm tok/s | peer seq/s | peer tok/s | "
-             "speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "speedup | least cosine vs peer |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['model']} | {r['tokens']} | {r['batch']} | {r['jaxllm_seqs_per_s']:.0f} | "
               f"{r['jaxllm_tokens_per_s']:.0f} | {r['peer_seqs_per_s']:.0f} | "
-              f"{r['peer_tokens_per_s']:.0f} | {r['speedup']:.2f}x |"
+              f"{r['peer_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+              f"{_cosine_cell(r['min_cosine_vs_peer'])} |"
               for r in rows if r["metric"] == "throughput"]
     lines += ["", "| model | one request of 8 tokens | jaxllm ms | peer ms |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['model']} | latency | {r['jaxllm_ms']:.2f} | {r['peer_ms']:.2f} |"
@@ -196,6 +233,10 @@ def main() -> None:
     parser.add_argument("--num-batches", type=int, default=8)
     parser.add_argument("--latency-runs", type=int, default=50)
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace one batch per length (kernel times)")
+    parser.add_argument("--attention-backend", default="auto",
+                        help="auto: cuDNN's fused attention on a GPU; xla: XLA's")
     args = parser.parse_args()
     if args.export_fp16:
         return export_fp16(args.export_fp16)

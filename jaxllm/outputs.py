@@ -61,22 +61,43 @@ class PoolingRequestOutput:
     finished: bool = True
 
 
-@dataclass
-class EmbeddingOutput:
-    embedding: list[float]
+class _ListOnRead:
+    """vLLM's list-of-floats field, made from the pooled array when first read: converting
+    every row of a large offline batch cost more host time than the GPU's forward."""
+
+    def __init__(self, values) -> None:
+        self._values = values  # np.ndarray until read
+
+    def _list(self) -> list[float]:
+        if not isinstance(self._values, list):
+            self._values = self._values.tolist()
+        return self._values
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._list() == other._list()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._list()!r})"
+
+
+class EmbeddingOutput(_ListOnRead):
+    @property
+    def embedding(self) -> list[float]:
+        return self._list()
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self._values)
 
 
-@dataclass
-class ClassificationOutput:
-    probs: list[float]
+class ClassificationOutput(_ListOnRead):
+    @property
+    def probs(self) -> list[float]:
+        return self._list()
 
     @property
     def num_classes(self) -> int:
-        return len(self.probs)
+        return len(self._values)
 
 
 @dataclass
@@ -93,7 +114,7 @@ class EmbeddingRequestOutput:
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data),
                    output.prompt_token_ids, output.finished)
 
 
@@ -106,7 +127,7 @@ class ClassificationRequestOutput:
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()),
+        return cls(output.request_id, ClassificationOutput(output.outputs.data),
                    output.prompt_token_ids, output.finished)
 
 

@@ -92,6 +92,8 @@ class InputProcessor:
 
     # -- checks ---------------------------------------------------------------------------------
     def check_vocab(self, token_ids: list[int], param: str = "prompt") -> None:
+        if token_ids and 0 <= min(token_ids) and max(token_ids) < self.vocab_size:
+            return
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InputError(f"Token id {bad} is out of vocabulary (vocab size "

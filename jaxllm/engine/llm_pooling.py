@@ -92,7 +92,8 @@ class PoolingAPI:
         token_ids = [prompt_token_ids(engine.tokenizer, prompt, truncation_length(
             truncate if truncate is not None else params.truncate_prompt_tokens,
             engine.max_model_len)) for prompt, params in zip(prompts, pooling_params)]
-        params = [PoolingParams(**{**vars(p), "task": task}) for p in pooling_params]
+        with_task = {id(p): PoolingParams(**{**vars(p), "task": task}) for p in pooling_params}
+        params = [with_task[id(p)] for p in pooling_params]  # shared, as the caller's were
         return self._run_pooling(token_ids, params, use_tqdm,
                                  per_prompt(lora_request, len(prompts)))
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+import jax
+import jax.numpy as jnp
+
 from jaxllm.config import EngineConfig
 from jaxllm.engine.pooling_config import architecture, decoder_base
 from jaxllm.engine.pooling_engine import PoolingEngine
@@ -60,9 +63,11 @@ def _encoder(config: EngineConfig, classify: bool):
               else load_encoder(model.model, args, dtype))
     params = fuse_params(params, args.num_heads, free_inputs=True)
 
+    implementation = _attention_implementation(config, dtype)
+
     def hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots):
         return bert.encode(params, token_ids, token_type_ids, lengths, args=args,
-                           lora_slots=lora_slots)
+                           lora_slots=lora_slots, implementation=implementation)
     dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
     return params, hidden_fn, dims, make_lora_slots(config.lora_config, args, dtype)
 
@@ -84,8 +89,20 @@ def _decoder(config: EngineConfig, classify: bool):
         params["classifier_w"] = params.pop("score")
     params = fuse_params(params, args.num_kv_heads, free_inputs=True)
 
+    implementation = _attention_implementation(config, dtype)
+
     def hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots):
         return decoder_hidden(params, token_ids, lengths, args=args, forward=forward,
-                              lora_slots=lora_slots)
+                              lora_slots=lora_slots, implementation=implementation)
     dims = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size)
     return params, hidden_fn, dims, make_lora_slots(config.lora_config, args, dtype)
+
+
+def _attention_implementation(config: EngineConfig, dtype) -> str | None:
+    """jax.nn.dot_product_attention's implementation for the padded rows: cuDNN's fused kernel
+    on a GPU in 16 bits (XLA's materialises every row's [L, L] scores in fp32), unless
+    --attention-backend xla; XLA elsewhere."""
+    if (config.runner_config.attention_backend != "xla" and jax.default_backend() == "gpu"
+            and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)):
+        return "cudnn"
+    return None

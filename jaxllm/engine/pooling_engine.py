@@ -49,6 +49,9 @@ class PoolingEngine(LoRAAdmin):
         self.prompt_tokens_total = 0
         self._in_flight: tuple[list[PoolingRequest], object] | None = None
         self._aborted_in_flight: set[str] = set()
+        # The last params resolved (as given, a copy to detect changes, the result): requests of
+        # one batch share one PoolingParams, and share its resolution too.
+        self._resolved: tuple | None = None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -68,7 +71,16 @@ class PoolingEngine(LoRAAdmin):
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def _resolve(self, params: PoolingParams) -> PoolingParams:
-        """The request's params with the model's defaults filled in, checked against the model."""
+        """The request's params with the model's defaults filled in, checked against the model
+        (the same object for requests given the same unchanged params)."""
+        last = self._resolved
+        if last is not None and params is last[0] and params == last[1]:
+            return last[2]
+        resolved = self._resolve_new(params)
+        self._resolved = (params, dataclasses.replace(params), resolved)
+        return resolved
+
+    def _resolve_new(self, params: PoolingParams) -> PoolingParams:
         task = params.task or self.task
         if self.task not in _SERVED_BY[task]:
             raise ValueError(f"The {task} task is not supported by this model, which is served "
@@ -111,9 +123,16 @@ class PoolingEngine(LoRAAdmin):
             return []
         batch, pooled = done[0], self.runner.collect(*done)
         aborted, self._aborted_in_flight = self._aborted_in_flight, set()
-        return [PoolingRequestOutput(r.request_id, PoolingOutput(self._finish(x, r.pooling_params)),
-                                     r.prompt_token_ids)
+        pooled = self._finish_batch(pooled, [r.pooling_params for r in batch])
+        return [PoolingRequestOutput(r.request_id, PoolingOutput(x), r.prompt_token_ids)
                 for r, x in zip(batch, pooled) if r.request_id not in aborted]
+
+    def _finish_batch(self, pooled: list[np.ndarray], params: list[PoolingParams]) -> list:
+        """_finish per request, or once over the batch's rows when they share their params
+        (the common case, and per-row numpy calls cost more than the step's forward)."""
+        if params and not self.runner.per_token and all(p is params[0] for p in params):
+            return list(self._finish(np.stack(pooled), params[0]))
+        return [self._finish(x, p) for x, p in zip(pooled, params)]
 
     def _finish(self, pooled: np.ndarray, params: PoolingParams) -> np.ndarray:
         """Embeddings: the first `dimensions` values, L2-normalised; class logits: softmax (one

@@ -38,7 +38,7 @@ def prompt_token_ids(tokenizer, prompt: str | list[int] | dict[str, Any],
         if max_length is None:
             return tokenizer(prompt)["input_ids"]
         return tokenizer(prompt, truncation=True, max_length=max_length)["input_ids"]
-    ids = [int(t) for t in prompt]
+    ids = list(map(int, prompt))
     return ids[-max_length:] if max_length is not None else ids
 
 
