@@ -307,6 +307,54 @@ def test_greedy_equals_greedy_without_speculation(kwargs, tiny_llama_dir, refere
     assert_all_blocks_free(llm)
 
 
+def test_prefix_cache_hits_change_nothing(reference, llm_pair):
+    """Prompts admitted on a prefix-cache hit (their second run) speculate from the cached
+    blocks and still give greedy's tokens."""
+    prompts, expected = reference
+    engine = llm_pair[True].llm_engine
+    before = engine.get_stats()["prefix_cache_hits_total"]
+    for _ in range(2):
+        assert token_ids(llm_pair[True].generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert engine.get_stats()["prefix_cache_hits_total"] > before
+
+
+_TP_CHILD = """
+import json, sys
+from jaxllm import LLM, SamplingParams
+outs = {}
+for name, kwargs in (("tp1", {}), ("tp2_ngram", dict(tensor_parallel_size=2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}))):
+    llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=32, num_gpu_blocks_override=64, block_size=8,
+              enforce_eager=True, compilation_cache_dir=None, **kwargs)
+    result = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=24),
+                          use_tqdm=False)
+    outs[name] = [o.outputs[0].token_ids for o in result]
+    outs[name + "_stats"] = llm.llm_engine.get_stats().get("spec_decode_num_accepted_tokens_total")
+print(json.dumps(outs))
+"""
+
+
+def test_tensor_parallel_speculation_equals_one_device(tiny_llama_dir):
+    """n-gram speculation at TP=2 (two simulated devices, a child process: XLA_FLAGS must
+    precede jax) gives one device's greedy tokens without speculation."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    prompts = repetitive_prompts(7, 4)
+    done = subprocess.run([sys.executable, "-c", _TP_CHILD, tiny_llama_dir, json.dumps(prompts)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outs["tp2_ngram"] == outs["tp1"]
+    assert outs["tp2_ngram_stats"] > 0
+
+
 def test_seeded_sampling_reproduces_the_output_without_speculation(llm_pair):
     """The seed fixes each output position's draw, so speculation changes nothing: tokens,
     logprobs and finish reasons as without it (penalties, min_tokens and top-k/top-p too)."""
