@@ -1,13 +1,18 @@
 """One GPU call: the batched multi-LoRA kernels (pallas_kernels/lora.py) on an 8B-like projection.
 
-    python benchmarks/lora_kernels_gpu.py --out DIR [--sweep]   # one H200, a few minutes
+    python benchmarks/lora_kernels_gpu.py --out DIR [--sweep]   # one H200, a minute (sweep: a few)
     python benchmarks/lora_kernels_gpu.py --out DIR --cpu       # tiny shapes in interpret mode
 
-H 4096 -> N 6144, rank 16, 16 adapters + slot 0 (no adapter), bf16; T tokens (decode 1, 8, 64,
-256; a 2048-token prefill chunk) with slot ids drawn uniformly from [0, 17). Per T, microseconds
-per call (`ceilings.time_chain`) of:
-- lora: lora_shrink + lora_expand, the slot sort included (slot ids go through the chain, so
-  each call sorts; in a step XLA can share one sort among every layer's calls: sort_us alone);
+H 4096 -> N 6144, rank 16, 16 adapters + slot 0 (no adapter), bf16; T tokens (decode 1, 8, 64;
+a 512-token prefill chunk) with slot ids drawn uniformly from [0, 17). Per T, microseconds per
+call of the GPU kernels each variant runs, read from a jax.profiler trace (the sum of the kernel
+durations over chained calls, divided by the call count: wall-clock timings carry tens of
+microseconds of dispatch, which hides kernels of a few), each kernel's share kept too:
+- lora: lora_shrink + lora_expand (and the XLA ops around them), the slot sort included (slot
+  ids go through the chain, so each call sorts; in a step one sort serves every layer's calls:
+  sort_us alone);
+- fused: lora_fused, the one kernel TokenLoRA.add runs instead up to models/lora.py's
+  FUSED_MAX_TOKENS tokens (this comparison sets that bound), the sort included likewise;
 - reference: lora_shrink_reference + lora_expand_reference (XLA, fp32, every adapter);
 - gemm: the base projection x [T, H] @ W [H, N] itself (three copies of W rotated, so its
   weights come from HBM as each layer's do), the cost the LoRA adds to;
@@ -15,8 +20,9 @@ and the floor: the bytes the kernels must move (x, the adapters the tokens use, 
 written) over the measured copy bandwidth. Adapters rotate among 11 copies (more than L2).
 Correctness on the GPU first (interpret mode hides races and stray stores): per T, random and
 all-one-adapter slot ids with slot 0's weights NaN (never to be read), and one shape off the
-tiles (R 8), against the fp32 references (max_rel_err). `--sweep` adds tile variants of each
-kernel. DIR gets lora_kernels.json; a table prints last.
+tiles (R 8), both paths against the fp32 references (max_rel_err). `--sweep` adds tile variants
+of each kernel. DIR gets lora_kernels.json; a table prints last. On the CPU no trace holds GPU
+kernels: the times are NaN there.
 """
 
 from __future__ import annotations
@@ -25,16 +31,18 @@ import argparse
 import functools
 import json
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from profile_decode import kernel_summary
 
 from pallas_kernels import lora
-from pallas_kernels.ceilings import measure_ceilings, time_chain
+from pallas_kernels.ceilings import measure_ceilings
 
 SIZES = {  # GPU, then --cpu
-    "gpu": dict(tokens=[1, 8, 64, 256, 2048], hidden=4096, n_dim=6144, rank=16, slots=17,
+    "gpu": dict(tokens=[1, 8, 64, 512], hidden=4096, n_dim=6144, rank=16, slots=17,
                 adapter_copies=11, weight_copies=3),
     "cpu": dict(tokens=[12], hidden=128, n_dim=96, rank=16, slots=5, adapter_copies=2,
                 weight_copies=1),
@@ -43,6 +51,10 @@ ODD_SHAPE = {"gpu": (37, 4000, 6000, 8, 5), "cpu": (5, 100, 72, 8, 3)}  # T, H, 
 SHRINK_SWEEP = ([dict(block_k=bk, num_warps=w) for bk in (64, 128) for w in (2, 4)]
                 + [dict(num_splits=s) for s in (1, 4, 16)])
 EXPAND_SWEEP = [dict(block_n=bn, num_warps=w) for bn in (64, 128, 256) for w in (4, 8)]
+FUSED_SWEEP = ([dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512)
+                for bk in (256, 1024) for w in (2, 4, 8)]
+               + [dict(block_k=1024, num_stages=s) for s in (1, 2, 4)])
+CHAIN, RUNS = 8, 2  # calls chained in one jit, traced runs of the chain
 
 
 def inputs(num_tokens, sizes, rng):
@@ -63,12 +75,18 @@ def inputs(num_tokens, sizes, rng):
     return x, base, slot_ids, [adapters() for _ in range(sizes["adapter_copies"])], weights
 
 
-def lora_call(shrink, expand):
-    """A chainable call: (x, base, slot ids) -> (x, base + LoRA, slot ids), adapters rotated."""
+def two_kernels(shrink, expand):
+    """(base, x, a, b, slot ids) -> base + LoRA, through shrink then expand."""
+    return lambda base, x, a, b, slot_ids: expand(base, shrink(x, a, slot_ids), b, slot_ids)
+
+
+def lora_call(apply):
+    """A chainable call: (x, base, slot ids) -> (x, apply(base, x, a, b, slot ids), slot ids),
+    adapters rotated."""
     def call(carry, i, copies):
         x, base, slot_ids = carry
         a, b = copies[i % len(copies)]
-        return x, expand(base, shrink(x, a, slot_ids), b, slot_ids), slot_ids
+        return x, apply(base, x, a, b, slot_ids), slot_ids
     return call
 
 
@@ -87,6 +105,28 @@ def sort_call(num_slots):
     return call
 
 
+def trace_us(call, carry, *args) -> dict:
+    """{"us": GPU kernel microseconds per call, "kernels": [(kernel, us per call)]}, from a
+    jax.profiler trace of RUNS runs of CHAIN calls in one jit, each call's output the next one's
+    input (as ceilings.time_chain chains them: nothing hoisted or merged); us is NaN when the
+    trace holds no GPU."""
+    def run(carry, *args):
+        for i in range(CHAIN):
+            carry = jax.lax.optimization_barrier(call(carry, i, *args))
+        return carry
+    fn = jax.jit(run)
+    carry = jax.block_until_ready(fn(carry, *args))  # compiled and warm before the trace
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(RUNS):
+                carry = fn(carry, *args)
+            jax.block_until_ready(carry)
+        summary = kernel_summary(trace_dir, CHAIN * RUNS, top=1000)
+    kernels = [v for k, v in summary.items() if "GPU" in k]
+    return {"us": sum(us for _, us in kernels[0]) if kernels else float("nan"),
+            "kernels": kernels[0] if kernels else []}
+
+
 def floor_bytes(num_tokens, slot_ids, sizes) -> int:
     """x read, each used adapter's A and B read once, base read and written (2-byte values)."""
     used = len(set(np.asarray(slot_ids).tolist()) - {0})
@@ -99,16 +139,24 @@ def max_rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+def kernel_paths(interpret) -> dict:
+    """The kernels' two ways to add a LoRA: (base, x, a, b, slot ids) -> base + LoRA."""
+    return {"lora": two_kernels(functools.partial(lora._shrink, interpret=interpret),
+                                functools.partial(lora._expand, interpret=interpret)),
+            "fused": functools.partial(lora._fused, interpret=interpret)}
+
+
 def check(x, base, slot_ids, a, b, interpret) -> float:
-    """The kernels' largest relative error against the references, slot 0's weights NaN for the
-    kernels (never read) and zero for the references; inf when the kernels' output is not
-    finite. On the GPU this is what interpret mode cannot show: races, stray stores."""
+    """Both paths' largest relative error against the references, slot 0's weights NaN for the
+    kernels (never read) and zero for the references; inf when a path's output is not finite.
+    On the GPU this is what interpret mode cannot show: races, stray stores."""
     nan_a, nan_b = a.at[0].set(jnp.nan), b.at[0].set(jnp.nan)
-    y = lora.lora_shrink(x, nan_a, slot_ids, interpret=interpret)
-    got = np.asarray(lora.lora_expand(base, y, nan_b, slot_ids, interpret=interpret), np.float32)
-    want = lora.lora_expand_reference(base, lora.lora_shrink_reference(x, a, slot_ids), b,
-                                      slot_ids)
-    return max_rel_err(got, want) if np.isfinite(got).all() else float("inf")
+    want = lora.lora_fused_reference(base, x, a, b, slot_ids)
+    errors = []
+    for apply in kernel_paths(interpret).values():
+        got = np.asarray(apply(base, x, nan_a, nan_b, slot_ids), np.float32)
+        errors.append(max_rel_err(got, want) if np.isfinite(got).all() else float("inf"))
+    return max(errors)
 
 
 def odd_shape_check(shape, interpret) -> float:
@@ -123,46 +171,49 @@ def odd_shape_check(shape, interpret) -> float:
 def measure(num_tokens, sizes, copy_bytes_per_s, interpret, sweep) -> dict:
     x, base, slot_ids, copies, weights = inputs(num_tokens, sizes, np.random.default_rng(0))
     carry = (x, base, slot_ids)
-    shrink = functools.partial(lora._shrink, interpret=interpret)
-    expand = functools.partial(lora._expand, interpret=interpret)
-    ours = lora_call(shrink, expand)
+    paths = kernel_paths(interpret)
     one_slot = jnp.full_like(slot_ids, sizes["slots"] - 1)  # every token one adapter
-    floor_s = floor_bytes(num_tokens, slot_ids, sizes) / copy_bytes_per_s
+    timed = {**{name: trace_us(lora_call(apply), carry, copies) for name, apply in paths.items()},
+             "reference": trace_us(lora_call(lora.lora_fused_reference), carry, copies),
+             "gemm": trace_us(gemm_call, carry, weights),
+             "sort": trace_us(sort_call(sizes["slots"]), carry)}
     row = {"tokens": num_tokens,
            "max_rel_err": max(check(x, base, ids, *copies[0], interpret)
                               for ids in (slot_ids, one_slot)),
-           "floor_us": floor_s * 1e6,
-           "lora_us": time_chain(ours, carry, copies) * 1e6,
-           "reference_us": time_chain(lora_call(lora.lora_shrink_reference,
-                                                lora.lora_expand_reference), carry, copies) * 1e6,
-           "gemm_us": time_chain(gemm_call, carry, weights) * 1e6}
-    row["sort_us"] = time_chain(sort_call(sizes["slots"]), carry) * 1e6
-    row["lora_pct_floor"] = 100 * row["floor_us"] / row["lora_us"]
+           "floor_us": floor_bytes(num_tokens, slot_ids, sizes) / copy_bytes_per_s * 1e6,
+           **{f"{name}_us": t["us"] for name, t in timed.items()},
+           "kernels": {name: t["kernels"] for name, t in timed.items()}}
+    row["best_pct_floor"] = 100 * row["floor_us"] / min(row["lora_us"], row["fused_us"])
     if sweep:
-        variants = ([("shrink", t, functools.partial(shrink, **t), expand) for t in SHRINK_SWEEP]
-                    + [("expand", t, shrink, functools.partial(expand, **t))
-                       for t in EXPAND_SWEEP])
-        row["sweep"] = [sweep_row(kind, tiles, lora_call(s, e), carry, copies)
-                        for kind, tiles, s, e in variants]
+        shrink, expand = (functools.partial(k, interpret=interpret)
+                          for k in (lora._shrink, lora._expand))
+        variants = ([("shrink", t, two_kernels(functools.partial(shrink, **t), expand))
+                     for t in SHRINK_SWEEP]
+                    + [("expand", t, two_kernels(shrink, functools.partial(expand, **t)))
+                       for t in EXPAND_SWEEP]
+                    + [("fused", t, functools.partial(paths["fused"], **t)) for t in FUSED_SWEEP])
+        row["sweep"] = [sweep_row(kind, tiles, lora_call(apply), carry, copies)
+                        for kind, tiles, apply in variants]
     return row
 
 
 def sweep_row(kind, tiles, call, carry, copies) -> dict:
-    """One tile variant: its time, or the error a tile Triton cannot fit raises."""
+    """One tile variant: its kernels' time, or the error a tile Triton cannot fit raises."""
     try:
-        return {"kernel": kind, "tiles": tiles, "lora_us": time_chain(call, carry, copies) * 1e6}
+        return {"kernel": kind, "tiles": tiles, "us": trace_us(call, carry, copies)["us"]}
     except Exception as e:  # a failing variant is a row, not the end of the run
         return {"kernel": kind, "tiles": tiles, "error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def table(rows) -> str:
-    lines = ["| T | lora us | sort us | reference us | gemm us | floor us | lora % floor | "
-             "lora / gemm | max rel err |", "|" + " --- |" * 9]
+    lines = ["| T | lora us | fused us | sort us | reference us | gemm us | floor us | "
+             "best % floor | best / gemm | max rel err |", "|" + " --- |" * 10]
     for r in rows:
-        lines.append(f"| {r['tokens']} | {r['lora_us']:.1f} | {r['sort_us']:.1f} | "
-                     f"{r['reference_us']:.1f} | {r['gemm_us']:.1f} | {r['floor_us']:.1f} | "
-                     f"{r['lora_pct_floor']:.0f} | {r['lora_us'] / r['gemm_us']:.2f} | "
-                     f"{r['max_rel_err']:.1e} |")
+        best = min(r["lora_us"], r["fused_us"])
+        lines.append(f"| {r['tokens']} | {r['lora_us']:.1f} | {r['fused_us']:.1f} | "
+                     f"{r['sort_us']:.1f} | {r['reference_us']:.1f} | {r['gemm_us']:.1f} | "
+                     f"{r['floor_us']:.1f} | {r['best_pct_floor']:.0f} | "
+                     f"{best / r['gemm_us']:.2f} | {r['max_rel_err']:.1e} |")
     return "\n".join(lines)
 
 
