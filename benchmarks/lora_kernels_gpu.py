@@ -11,8 +11,6 @@ microseconds of dispatch, which hides kernels of a few), each kernel's share kep
 - lora: lora_shrink + lora_expand (and the XLA ops around them), the slot sort included (slot
   ids go through the chain, so each call sorts; in a step one sort serves every layer's calls:
   sort_us alone);
-- fused: lora_fused, the one kernel TokenLoRA.add runs instead up to models/lora.py's
-  FUSED_MAX_TOKENS tokens (this comparison sets that bound), the sort included likewise;
 - reference: lora_shrink_reference + lora_expand_reference (XLA, fp32, every adapter);
 - gemm: the base projection x [T, H] @ W [H, N] itself (three copies of W rotated, so its
   weights come from HBM as each layer's do), the cost the LoRA adds to;
@@ -51,9 +49,6 @@ ODD_SHAPE = {"gpu": (37, 4000, 6000, 8, 5), "cpu": (5, 100, 72, 8, 3)}  # T, H, 
 SHRINK_SWEEP = ([dict(block_k=bk, num_warps=w) for bk in (64, 128) for w in (2, 4)]
                 + [dict(num_splits=s) for s in (1, 4, 16)])
 EXPAND_SWEEP = [dict(block_n=bn, num_warps=w) for bn in (64, 128, 256) for w in (4, 8)]
-FUSED_SWEEP = ([dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512)
-                for bk in (256, 1024) for w in (2, 4, 8)]
-               + [dict(block_k=1024, num_stages=s) for s in (1, 2, 4)])
 CHAIN, RUNS = 8, 2  # calls chained in one jit, traced runs of the chain
 
 
@@ -139,19 +134,23 @@ def max_rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+def reference(base, x, a, b, slot_ids):
+    return lora.lora_expand_reference(base, lora.lora_shrink_reference(x, a, slot_ids), b,
+                                      slot_ids)
+
+
 def kernel_paths(interpret) -> dict:
-    """The kernels' two ways to add a LoRA: (base, x, a, b, slot ids) -> base + LoRA."""
+    """The kernels' way to add a LoRA: (base, x, a, b, slot ids) -> base + LoRA."""
     return {"lora": two_kernels(functools.partial(lora._shrink, interpret=interpret),
-                                functools.partial(lora._expand, interpret=interpret)),
-            "fused": functools.partial(lora._fused, interpret=interpret)}
+                                functools.partial(lora._expand, interpret=interpret))}
 
 
 def check(x, base, slot_ids, a, b, interpret) -> float:
-    """Both paths' largest relative error against the references, slot 0's weights NaN for the
-    kernels (never read) and zero for the references; inf when a path's output is not finite.
+    """The kernels' largest relative error against the references, slot 0's weights NaN for
+    the kernels (never read) and zero for the references; inf when the output is not finite.
     On the GPU this is what interpret mode cannot show: races, stray stores."""
     nan_a, nan_b = a.at[0].set(jnp.nan), b.at[0].set(jnp.nan)
-    want = lora.lora_fused_reference(base, x, a, b, slot_ids)
+    want = reference(base, x, a, b, slot_ids)
     errors = []
     for apply in kernel_paths(interpret).values():
         got = np.asarray(apply(base, x, nan_a, nan_b, slot_ids), np.float32)
@@ -174,7 +173,7 @@ def measure(num_tokens, sizes, copy_bytes_per_s, interpret, sweep) -> dict:
     paths = kernel_paths(interpret)
     one_slot = jnp.full_like(slot_ids, sizes["slots"] - 1)  # every token one adapter
     timed = {**{name: trace_us(lora_call(apply), carry, copies) for name, apply in paths.items()},
-             "reference": trace_us(lora_call(lora.lora_fused_reference), carry, copies),
+             "reference": trace_us(lora_call(reference), carry, copies),
              "gemm": trace_us(gemm_call, carry, weights),
              "sort": trace_us(sort_call(sizes["slots"]), carry)}
     row = {"tokens": num_tokens,
@@ -183,15 +182,14 @@ def measure(num_tokens, sizes, copy_bytes_per_s, interpret, sweep) -> dict:
            "floor_us": floor_bytes(num_tokens, slot_ids, sizes) / copy_bytes_per_s * 1e6,
            **{f"{name}_us": t["us"] for name, t in timed.items()},
            "kernels": {name: t["kernels"] for name, t in timed.items()}}
-    row["best_pct_floor"] = 100 * row["floor_us"] / min(row["lora_us"], row["fused_us"])
+    row["pct_floor"] = 100 * row["floor_us"] / row["lora_us"]
     if sweep:
         shrink, expand = (functools.partial(k, interpret=interpret)
                           for k in (lora._shrink, lora._expand))
         variants = ([("shrink", t, two_kernels(functools.partial(shrink, **t), expand))
                      for t in SHRINK_SWEEP]
                     + [("expand", t, two_kernels(shrink, functools.partial(expand, **t)))
-                       for t in EXPAND_SWEEP]
-                    + [("fused", t, functools.partial(paths["fused"], **t)) for t in FUSED_SWEEP])
+                       for t in EXPAND_SWEEP])
         row["sweep"] = [sweep_row(kind, tiles, lora_call(apply), carry, copies)
                         for kind, tiles, apply in variants]
     return row
@@ -206,14 +204,13 @@ def sweep_row(kind, tiles, call, carry, copies) -> dict:
 
 
 def table(rows) -> str:
-    lines = ["| T | lora us | fused us | sort us | reference us | gemm us | floor us | "
-             "best % floor | best / gemm | max rel err |", "|" + " --- |" * 10]
+    lines = ["| T | lora us | sort us | reference us | gemm us | floor us | % floor | "
+             "lora / gemm | max rel err |", "|" + " --- |" * 9]
     for r in rows:
-        best = min(r["lora_us"], r["fused_us"])
-        lines.append(f"| {r['tokens']} | {r['lora_us']:.1f} | {r['fused_us']:.1f} | "
-                     f"{r['sort_us']:.1f} | {r['reference_us']:.1f} | {r['gemm_us']:.1f} | "
-                     f"{r['floor_us']:.1f} | {r['best_pct_floor']:.0f} | "
-                     f"{best / r['gemm_us']:.2f} | {r['max_rel_err']:.1e} |")
+        lines.append(f"| {r['tokens']} | {r['lora_us']:.1f} | {r['sort_us']:.1f} | "
+                     f"{r['reference_us']:.1f} | {r['gemm_us']:.1f} | {r['floor_us']:.1f} | "
+                     f"{r['pct_floor']:.0f} | {r['lora_us'] / r['gemm_us']:.2f} | "
+                     f"{r['max_rel_err']:.1e} |")
     return "\n".join(lines)
 
 

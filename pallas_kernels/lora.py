@@ -1,13 +1,12 @@
-"""Batched multi-LoRA: each token multiplied by its own adapter (Punica's SGMV idea), in Triton
-kernels around a base projection `base = x @ W`:
+"""Batched multi-LoRA: each token multiplied by its own adapter (Punica's SGMV idea), in two
+Triton kernels around a base projection `base = x @ W`:
 
   y   = lora_shrink(x [T, H], a [S, H, R], slot_ids [T])         row t: x[t] @ a[slot_ids[t]]
   out = lora_expand(base [T, N], y [T, R], b [S, R, N], slot_ids)  row t: base[t] + y[t] @ b[slot]
-  out = lora_fused(base, x, a, b, slot_ids)                        the two above in one kernel
 
 Slot 0 is "no adapter" (the engine keeps its weights zero): the kernels never read its weights,
-shrink writes zeros for its tokens and expand and fused leave their base rows as they are (the
-output aliases base, so inside a jit where base is an intermediate those rows cost nothing).
+shrink writes zeros for its tokens and expand leaves their base rows as they are (the output
+aliases base, so inside a jit where base is an intermediate those rows cost nothing).
 
 Design. Tokens of one slot are scattered among the others, so the wrapper orders them by slot
 (a stable argsort: `order`) without moving any data: the kernels read and write whole rows
@@ -16,16 +15,11 @@ MoE grouped matmul makes them (`grouped_matmul._work_items`): a tile holding tok
 slots is visited once per slot, each visit masked to its own rows, so each used adapter's tiles
 are read about once per step and unused adapters never; the item count has a static bound
 (row tiles + S), items past the real ones exit at once. The sort depends only on slot_ids, so
-XLA's common-subexpression pass shares it among all the calls of one step.
+XLA's common-subexpression pass can share it among the calls of one step.
 - shrink: programs (item, K split). R is small and H long, so at decode a few tokens would leave
   one program reading all of H alone; the reduction is split over H into fp32 partials that the
   wrapper sums (deterministic, no atomics).
 - expand: programs (item, N tile), one [block_m, R] x [R, block_n] product each.
-- fused: programs (item, N tile), each computing its rows' x @ a[slot] over all of H (one pass,
-  fp32, rounded to x's dtype as shrink's output is, so it matches the two kernels) and then
-  expand's product: one launch a projection instead of three (shrink, the sum of its partials,
-  expand), at the price of redoing x @ a for every N tile and of one program's pass over all of
-  H. models/lora.py's TokenLoRA.add runs it up to FUSED_MAX_TOKENS tokens, shrink + expand above.
 Any R works (no padding by the engine): tiles span R rounded up to a power of two, at least 16
 (Triton's smallest dot), with the extra lanes masked; a multiple of 16 wastes none. H and N need
 not be multiples of the tiles. slot_ids outside [0, S) are clipped, in the references too.
@@ -101,40 +95,21 @@ def _precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _shrink_tile(x_ref, a_ref, slot, in_slot, tokens, k_start, num_k_steps, *, block_k,
-                 block_r):
-    """fp32 [Bm, Br]: the rows' x @ a[slot] over H [k_start, k_start + num_k_steps * block_k);
-    rows outside the slot and ranks past R are zero."""
-    hidden, rank = a_ref.shape[1], a_ref.shape[2]
-    ranks = jnp.arange(block_r, dtype=jnp.int32)
-    dtype = jnp.promote_types(x_ref.dtype, a_ref.dtype)
-
-    def k_step(kt, acc):
-        ks = k_start + kt * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
-        k_ok = ks < hidden
-        xs = pltriton.load(x_ref.at[tokens[:, None], ks[None, :]],
-                           mask=in_slot[:, None] & k_ok[None, :], other=0)  # [Bm, Bk]
-        w = pltriton.load(a_ref.at[slot, ks[:, None], ranks[None, :]],
-                          mask=k_ok[:, None] & (ranks < rank)[None, :], other=0)  # [Bk, Br]
-        return acc + pltriton.dot(xs.astype(dtype), w.astype(dtype), precision=_precision(dtype))
-
-    return jax.lax.fori_loop(0, num_k_steps, k_step,
-                             jnp.zeros((tokens.shape[0], block_r), jnp.float32))
-
-
 def _shrink_kernel(item_slot_ref, item_tile_ref, bounds_ref, order_ref, x_ref, a_ref, out_ref, *,
                    block_m, block_k, block_r, k_per_split):
     """out_ref [splits, T, R] fp32: this split's partial x @ a[slot] for the item's rows."""
     item, split = pl.program_id(0), pl.program_id(1)
     slot = item_slot_ref[item]
+    hidden, rank = a_ref.shape[1], a_ref.shape[2]
     ranks = jnp.arange(block_r, dtype=jnp.int32)
+    rank_ok = ranks < rank
 
     def rows():
         return _tile_rows(item, item_slot_ref, item_tile_ref, bounds_ref, order_ref, block_m)
 
     def store(acc, in_slot, tokens):
         pltriton.store(out_ref.at[split, tokens[:, None], ranks[None, :]], acc,
-                       mask=in_slot[:, None] & (ranks < a_ref.shape[2])[None, :])
+                       mask=in_slot[:, None] & rank_ok[None, :])
 
     @pl.when(slot == 0)
     def _():
@@ -143,8 +118,20 @@ def _shrink_kernel(item_slot_ref, item_tile_ref, bounds_ref, order_ref, x_ref, a
     @pl.when(slot > 0)
     def _():
         in_slot, tokens = rows()
-        acc = _shrink_tile(x_ref, a_ref, slot, in_slot, tokens, split * k_per_split,
-                           k_per_split // block_k, block_k=block_k, block_r=block_r)
+        dtype = jnp.promote_types(x_ref.dtype, a_ref.dtype)
+
+        def k_step(kt, acc):
+            ks = split * k_per_split + kt * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
+            k_ok = ks < hidden
+            xs = pltriton.load(x_ref.at[tokens[:, None], ks[None, :]],
+                               mask=in_slot[:, None] & k_ok[None, :], other=0)  # [Bm, Bk]
+            w = pltriton.load(a_ref.at[slot, ks[:, None], ranks[None, :]],
+                              mask=k_ok[:, None] & rank_ok[None, :], other=0)  # [Bk, Br]
+            return acc + pltriton.dot(xs.astype(dtype), w.astype(dtype),
+                                      precision=_precision(dtype))
+
+        acc = jax.lax.fori_loop(0, k_per_split // block_k, k_step,
+                                jnp.zeros((block_m, block_r), jnp.float32))
         store(acc, in_slot, tokens)
 
 
@@ -190,39 +177,30 @@ def lora_shrink(x, a, slot_ids, *, interpret=False) -> jax.Array:
     return _shrink(x, a, slot_ids, interpret=interpret)
 
 
-def _expand_tile(ys, b_ref, base_ref, out_ref, slot, in_slot, tokens, n_tile, *, block_n):
-    """out rows `tokens` (those in_slot), N tile n_tile: base + ys [Bm, Br] @ b[slot], ys zero
-    past R."""
-    rank, n_dim = b_ref.shape[1], b_ref.shape[2]
-    ranks = jnp.arange(ys.shape[1], dtype=jnp.int32)
-    cols = n_tile * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [Bn]
-    col_ok = cols < n_dim
-    w = pltriton.load(b_ref.at[slot, ranks[:, None], cols[None, :]],
-                      mask=(ranks < rank)[:, None] & col_ok[None, :], other=0)  # [Br, Bn]
-    dtype = jnp.promote_types(ys.dtype, b_ref.dtype)
-    delta = pltriton.dot(ys.astype(dtype), w.astype(dtype), precision=_precision(dtype))
-    mask = in_slot[:, None] & col_ok[None, :]  # [Bm, Bn]
-    base = pltriton.load(base_ref.at[tokens[:, None], cols[None, :]], mask=mask, other=0)
-    pltriton.store(out_ref.at[tokens[:, None], cols[None, :]],
-                   (base.astype(jnp.float32) + delta).astype(out_ref.dtype), mask=mask)
-
-
 def _expand_kernel(item_slot_ref, item_tile_ref, bounds_ref, order_ref, y_ref, b_ref, base_ref,
                    out_ref, *, block_m, block_n, block_r):
     """out_ref aliases base_ref [T, N]: the item's rows get base + y @ b[slot] for one N tile."""
     item, n_tile = pl.program_id(0), pl.program_id(1)
     slot = item_slot_ref[item]
+    rank, n_dim = b_ref.shape[1], b_ref.shape[2]
 
     @pl.when(slot > 0)  # slot 0's rows keep base (aliased); padding items (-1) do nothing
     def _():
         in_slot, tokens = _tile_rows(item, item_slot_ref, item_tile_ref, bounds_ref, order_ref,
                                      block_m)
         ranks = jnp.arange(block_r, dtype=jnp.int32)
+        rank_ok = ranks < rank
+        cols = n_tile * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [Bn]
+        mask = in_slot[:, None] & (cols < n_dim)[None, :]  # [Bm, Bn]
         ys = pltriton.load(y_ref.at[tokens[:, None], ranks[None, :]],
-                           mask=in_slot[:, None] & (ranks < y_ref.shape[1])[None, :],
-                           other=0)  # [Bm, Br]
-        _expand_tile(ys, b_ref, base_ref, out_ref, slot, in_slot, tokens, n_tile,
-                     block_n=block_n)
+                           mask=in_slot[:, None] & rank_ok[None, :], other=0)  # [Bm, Br]
+        w = pltriton.load(b_ref.at[slot, ranks[:, None], cols[None, :]],
+                          mask=rank_ok[:, None] & (cols < n_dim)[None, :], other=0)  # [Br, Bn]
+        dtype = jnp.promote_types(y_ref.dtype, b_ref.dtype)
+        delta = pltriton.dot(ys.astype(dtype), w.astype(dtype), precision=_precision(dtype))
+        base = pltriton.load(base_ref.at[tokens[:, None], cols[None, :]], mask=mask, other=0)
+        pltriton.store(out_ref.at[tokens[:, None], cols[None, :]],
+                       (base.astype(jnp.float32) + delta).astype(out_ref.dtype), mask=mask)
 
 
 def _check_expand(base, y, b, slot_ids) -> None:
@@ -233,32 +211,24 @@ def _check_expand(base, y, b, slot_ids) -> None:
                          f"slot_ids [T]")
 
 
-def _into_base(kernel, sort, operands, base, *, name, block_n, num_warps, num_stages,
-               interpret):
-    """pallas_call of `kernel` over programs (work item, N tile), its output aliasing base
-    [T, N] (the last operand): rows no program writes keep base."""
-    inputs = (*sort, *operands, base)
-    return pl.pallas_call(
-        kernel, grid=(sort[0].shape[0], pl.cdiv(base.shape[1], block_n)),
-        out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
-        input_output_aliases={len(inputs) - 1: 0},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name=name,
-    )(*inputs)
-
-
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_warps", "interpret"))
 def _expand(base, y, b, slot_ids, *, block_m: int | None = None, block_n: int = 128,
             num_warps: int | None = None, interpret: bool = False):
     _check_expand(base, y, b, slot_ids)
+    num_tokens, n_dim = base.shape
     num_slots, rank, _ = b.shape
-    block_m = block_m or _block_m(base.shape[0], num_slots)
+    block_m = block_m or _block_m(num_tokens, num_slots)
+    num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
+    item_slot, item_tile, bounds, order = _sort_by_slot(slot_ids, num_slots, block_m)
     kernel = functools.partial(_expand_kernel, block_m=block_m, block_n=block_n,
                                block_r=_rank_block(rank))
-    return _into_base(kernel, _sort_by_slot(slot_ids, num_slots, block_m), (y, b), base,
-                      name="lora_expand", block_n=block_n,
-                      num_warps=num_warps or (8 if block_m * block_n >= 128 * 128 else 4),
-                      num_stages=1, interpret=interpret)
+    return pl.pallas_call(
+        kernel, grid=(item_slot.shape[0], pl.cdiv(n_dim, block_n)),
+        out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
+        input_output_aliases={6: 0},  # base
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="lora_expand",
+    )(item_slot, item_tile, bounds, order, y, b, base)
 
 
 def lora_expand(base, y, b, slot_ids, *, interpret=False) -> jax.Array:
@@ -266,49 +236,3 @@ def lora_expand(base, y, b, slot_ids, *, interpret=False) -> jax.Array:
     -> base + y[t] @ b[slot_ids[t]] in base's dtype, fp32 accumulation. Slot 0's rows are base's
     (its B is never read)."""
     return _expand(base, y, b, slot_ids, interpret=interpret)
-
-
-def lora_fused_reference(base: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array,
-                         slot_ids: jax.Array) -> jax.Array:
-    """lora_expand_reference(base, lora_shrink_reference(x, a, slot_ids), b, slot_ids)."""
-    return lora_expand_reference(base, lora_shrink_reference(x, a, slot_ids), b, slot_ids)
-
-
-def _fused_kernel(item_slot_ref, item_tile_ref, bounds_ref, order_ref, x_ref, a_ref, b_ref,
-                  base_ref, out_ref, *, block_m, block_n, block_k, block_r):
-    """out_ref aliases base_ref [T, N]: the item's rows get base + (x @ a[slot] over all of H,
-    rounded to x's dtype as lora_shrink's output is) @ b[slot] for one N tile."""
-    item, n_tile = pl.program_id(0), pl.program_id(1)
-    slot = item_slot_ref[item]
-
-    @pl.when(slot > 0)  # slot 0's rows keep base (aliased); padding items (-1) do nothing
-    def _():
-        in_slot, tokens = _tile_rows(item, item_slot_ref, item_tile_ref, bounds_ref, order_ref,
-                                     block_m)
-        acc = _shrink_tile(x_ref, a_ref, slot, in_slot, tokens, 0,
-                           pl.cdiv(x_ref.shape[1], block_k), block_k=block_k, block_r=block_r)
-        _expand_tile(acc.astype(x_ref.dtype), b_ref, base_ref, out_ref, slot, in_slot, tokens,
-                     n_tile, block_n=block_n)
-
-
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
-def _fused(base, x, a, b, slot_ids, *, block_m: int | None = None, block_n: int = 256,
-           block_k: int = 256, num_warps: int = 2, num_stages: int = 3, interpret: bool = False):
-    _check_shrink(x, a, slot_ids)
-    _check_expand(base, jax.ShapeDtypeStruct(x.shape[:1] + a.shape[2:], x.dtype), b, slot_ids)
-    num_slots, _, rank = a.shape
-    block_m = block_m or _block_m(x.shape[0], num_slots)
-    kernel = functools.partial(_fused_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                               block_r=_rank_block(rank))
-    return _into_base(kernel, _sort_by_slot(slot_ids, num_slots, block_m), (x, a, b), base,
-                      name="lora_fused", block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, interpret=interpret)
-
-
-def lora_fused(base, x, a, b, slot_ids, *, interpret=False) -> jax.Array:
-    """base [T, N], x [T, H], a [S, H, R], b [S, R, N], slot_ids [T] -> what
-    lora_expand(base, lora_shrink(x, a, slot_ids), b, slot_ids) returns, in one kernel: each
-    (work item, N tile) program redoes its rows' x @ a[slot] over all of H, work that grows with
-    the tokens (one item per used slot and row tile) times the N tiles."""
-    return _fused(base, x, a, b, slot_ids, interpret=interpret)

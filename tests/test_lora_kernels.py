@@ -1,9 +1,8 @@
 """Batched multi-LoRA kernels (pallas_kernels/lora.py) in interpret mode against their pure-jnp
 references and a float64 numpy product: ragged slot assignments (slot 0 mixed in, one slot's
-tokens scattered, some slots unused, all slot 0, all one slot), shapes and ranks off the tiles,
-NaN-poisoned weights that must never reach another slot's tokens; one compilation whatever the
-slot ids; the CUDA lowering at an 8B-like shape; TokenLoRA.add's choice between the fused kernel
-and shrink + expand; and the GPU benchmark's --cpu run."""
+tokens scattered, all slot 0, all one slot), shapes off the tiles, NaN-poisoned weights that must
+never reach another slot's tokens; one compilation whatever the slot ids; the CUDA lowering at
+an 8B-like shape; and the GPU benchmark's --cpu run."""
 
 import json
 import os
@@ -16,9 +15,7 @@ import numpy as np
 import pytest
 from conftest import CompileCounter, lower_for_h200
 
-from jaxllm.models import lora as model_lora
-from pallas_kernels.lora import (_expand, _fused, _shrink, lora_expand, lora_expand_reference,
-                                 lora_fused, lora_fused_reference, lora_shrink,
+from pallas_kernels.lora import (_expand, _shrink, lora_expand, lora_expand_reference, lora_shrink,
                                  lora_shrink_reference)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,8 +26,6 @@ def assign(kind: str, num_tokens: int, num_slots: int, rng) -> np.ndarray:
         return rng.integers(0, num_slots, num_tokens)
     if kind == "scattered":  # the last slot's tokens every third one, slot 0 between
         return np.where(np.arange(num_tokens) % 3 == 1, num_slots - 1, 0)
-    if kind == "some_unused":  # slot 0 and two others, interleaved; the slots between unused
-        return rng.choice([0, 1, num_slots - 1], num_tokens)
     if kind == "all_zero":
         return np.zeros(num_tokens, np.int64)
     return np.full(num_tokens, 1)  # "one_slot"
@@ -105,48 +100,9 @@ def test_explicit_tiles_split_h_and_share_row_tiles():
     close(out, exact_expand(base, y, b, slots), jnp.float32)
 
 
-FUSED_CASES = [  # T, H, R, N, S, assignment, dtype
-    (1, 128, 16, 128, 3, "one_slot", F32),  # decode, one token
-    (3, 300, 8, 72, 4, "ragged", BF16),  # H over two block_k steps, the last short
-    (29, 200, 8, 72, 5, "ragged", F32),  # H, N, T off the tiles
-    (29, 520, 24, 150, 5, "ragged", BF16),  # R 24: 8 of 32 rank lanes masked; N over two tiles
-    (40, 96, 16, 64, 4, "scattered", BF16),
-    (33, 136, 24, 100, 7, "some_unused", F32),
-    (70, 160, 32, 200, 17, "ragged", F32),  # more slots than tokens per tile
-]
-
-
-@pytest.mark.parametrize("case", FUSED_CASES)
-def test_fused_kernel_matches_references(case):
-    *shape, kind, dtype = case
-    x, a, b, base, slots = random_lora(sum(shape) + 1, *shape, kind, dtype)
-    out = lora_fused(base, x, a, b, slots, interpret=True)
-    want = lora_fused_reference(base, x, a, b, slots)
-    assert out.shape == base.shape and out.dtype == dtype
-    close(out, want, dtype)
-    close(want, exact_expand(base, lora_shrink_reference(x, a, slots), b, slots), dtype)
-    two_kernels = lora_expand(base, lora_shrink(x, a, slots, interpret=True), b, slots,
-                              interpret=True)
-    close(out, two_kernels, dtype)
-    zero = np.asarray(slots) == 0  # no adapter: base exactly kept
-    np.testing.assert_array_equal(np.asarray(out, np.float32)[zero],
-                                  np.asarray(base, np.float32)[zero])
-    changed = np.abs(np.asarray(out, np.float32) - np.asarray(base, np.float32)).max(axis=1) > 0
-    np.testing.assert_array_equal(changed, ~zero)  # every adapter's token got its update
-
-
-def test_fused_explicit_tiles_loop_over_h_and_share_row_tiles():
-    """H over seven block_k steps (the last short), N over three tiles (the last short), row
-    tiles holding several slots' tokens."""
-    x, a, b, base, slots = random_lora(6, 90, 200, 24, 144, 6, "ragged", jnp.float32)
-    out = _fused(base, x, a, b, slots, block_m=16, block_n=64, block_k=32, interpret=True)
-    close(out, exact_expand(base, exact_shrink(x, a, slots), b, slots), jnp.float32)
-
-
 def test_no_slot_leaks_into_another_slots_tokens():
     """Slot 2's weights NaN: every other token is exact. Slot 0's weights and the slot-0 rows of
-    y NaN too: the kernels never read them (zeros out of shrink, base out of expand and the
-    fused kernel)."""
+    y NaN too: the kernels never read them (zeros out of shrink, base out of expand)."""
     x, a, b, base, slots = random_lora(9, 50, 96, 16, 80, 4, "ragged", jnp.float32)
     slots = slots.at[:4].set(jnp.asarray([2, 0, 2, 3]))
     clean_a, clean_b = a.at[2].set(0), b.at[2].set(0)
@@ -163,18 +119,12 @@ def test_no_slot_leaks_into_another_slots_tokens():
     assert np.isnan(out[~other]).all()
     close(out[other], exact_expand(base, np.nan_to_num(y), clean_b, slots)[other], jnp.float32)
     np.testing.assert_array_equal(out[zero], np.asarray(base)[zero])
-    fused = np.asarray(lora_fused(base, x, poisoned_a, poisoned_b, slots, interpret=True))
-    assert np.isnan(fused[~other]).all()
-    close(fused[other], exact_expand(base, exact_shrink(x, clean_a, slots), clean_b, slots)[other],
-          jnp.float32)
-    np.testing.assert_array_equal(fused[zero], np.asarray(base)[zero])
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_new_slot_ids_do_not_recompile(fused):
+def test_new_slot_ids_do_not_recompile():
     x, a, b, base, slots = random_lora(3, 20, 64, 16, 32, 5, "ragged", jnp.float32)
-    run = jax.jit(lambda x, base, s: lora_fused(base, x, a, b, s, interpret=True) if fused else
-                  lora_expand(base, lora_shrink(x, a, s, interpret=True), b, s, interpret=True))
+    run = jax.jit(lambda x, base, s: lora_expand(base, lora_shrink(x, a, s, interpret=True), b,
+                                                 s, interpret=True))
     jax.block_until_ready(run(x, base, slots))
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
@@ -196,16 +146,11 @@ def test_bad_shapes_are_refused():
         lora_expand(base, jnp.zeros((8, 8)), b, slots, interpret=True)
     with pytest.raises(ValueError, match=r"slot_ids \[T\]"):
         lora_shrink(x, a, slots[:4], interpret=True)
-    with pytest.raises(ValueError, match=r"a \[S, H, R\]"):
-        lora_fused(base, x, a[:, :32], b, slots, interpret=True)
-    with pytest.raises(ValueError, match=r"b \[S, R, N\]"):
-        lora_fused(base, x, a, b[:, :8], slots, interpret=True)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 2048])
 def test_kernels_lower_for_cuda(num_tokens):
-    """An 8B-like shape: H 4096, R 16 (the fused kernel: 48, q/k/v's), N 6144, 16 adapters +
-    slot 0, bf16."""
+    """An 8B-like shape: H 4096, R 16, N 6144, 16 adapters + slot 0, bf16."""
     sds = jax.ShapeDtypeStruct
     x, y = sds((num_tokens, 4096), jnp.bfloat16), sds((num_tokens, 16), jnp.bfloat16)
     slots = sds((num_tokens,), jnp.int32)
@@ -214,61 +159,6 @@ def test_kernels_lower_for_cuda(num_tokens):
     text = lower_for_h200(lora_expand, sds((num_tokens, 6144), jnp.bfloat16), y,
                           sds((17, 16, 6144), jnp.bfloat16), slots)
     assert "lora_expand" in text
-    text = lower_for_h200(lora_fused, sds((num_tokens, 6144), jnp.bfloat16), x,
-                          sds((17, 4096, 48), jnp.bfloat16), sds((17, 48, 6144), jnp.bfloat16),
-                          slots)
-    assert "lora_fused" in text
-
-
-def _pallas(kernel, calls):
-    """kernel in interpret mode, its name appended to calls at each call."""
-    def run(*args):
-        calls.append(kernel.__name__)
-        return kernel(*args, interpret=True)
-    return run
-
-
-@pytest.mark.parametrize("num_tokens", [1, 6, 7, 19])
-def test_token_lora_fuses_up_to_the_bound(monkeypatch, num_tokens):
-    """TokenLoRA.add through the Pallas kernels (interpret mode) equals the reference path on a
-    fused-layout output [T, 2, 3, 16]: one fused kernel up to FUSED_MAX_TOKENS tokens (6 here),
-    shrink then expand above."""
-    x, a, b, _, slots = random_lora(num_tokens, num_tokens, 64, 24, 96, 5, "ragged", jnp.float32)
-    base = jnp.asarray(np.random.default_rng(1).standard_normal((num_tokens, 2, 3, 16)),
-                       jnp.float32)
-    lora = model_lora.TokenLoRA({"qkv_a": a, "qkv_b": b}, slots)
-    monkeypatch.setattr(model_lora, "FUSED_MAX_TOKENS", 6)
-    want = lora.add(base, x, "qkv")  # the references, on the CPU
-    calls = []
-    monkeypatch.setattr(model_lora, "_kernels", lambda: (_pallas(lora_shrink, calls),
-                                                         _pallas(lora_expand, calls)))
-    monkeypatch.setattr(model_lora, "_fused_kernel", lambda: _pallas(lora_fused, calls))
-    got = lora.add(base, x, "qkv")
-    assert calls == (["lora_fused"] if num_tokens <= 6 else ["lora_shrink", "lora_expand"])
-    assert got.shape == base.shape
-    close(got, want, jnp.float32)
-    close(want.reshape(num_tokens, -1), exact_expand(base.reshape(num_tokens, -1),
-                                                     exact_shrink(x, a, slots), b, slots),
-          jnp.float32)
-
-
-def test_token_lora_lowers_one_kernel_a_group_for_few_tokens(monkeypatch):
-    """Lowered for an H200 at the 8B q/k/v shape: at FUSED_MAX_TOKENS tokens (8 here) one
-    lora_fused call, one more token lora_shrink and lora_expand."""
-    monkeypatch.setattr(model_lora, "FUSED_MAX_TOKENS", 8)
-    monkeypatch.setattr(model_lora, "_kernels", lambda: (lora_shrink, lora_expand))
-    monkeypatch.setattr(model_lora, "_fused_kernel", lambda: lora_fused)
-    sds = jax.ShapeDtypeStruct
-    for num_tokens in (8, 9):
-        text = lower_for_h200(
-            lambda base, x, a, b, s: model_lora.TokenLoRA({"qkv_a": a, "qkv_b": b}, s).add(
-                base, x, "qkv"),
-            sds((num_tokens, 8, 6, 128), jnp.bfloat16), sds((num_tokens, 4096), jnp.bfloat16),
-            sds((17, 4096, 48), jnp.bfloat16), sds((17, 48, 6144), jnp.bfloat16),
-            sds((num_tokens,), jnp.int32))
-        fused = num_tokens <= 8
-        assert ("lora_fused" in text) == fused
-        assert ("lora_shrink" in text) == ("lora_expand" in text) == (not fused)
 
 
 def test_gpu_benchmark_runs_on_cpu(tmp_path):

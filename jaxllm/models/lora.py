@@ -122,25 +122,11 @@ def write_slot(stacks: list[dict], slot: jax.Array, arrays: dict) -> list[dict]:
             for layer, layer_stacks in enumerate(stacks)]
 
 
-# Up to this many tokens TokenLoRA.add runs the fused kernel (one launch a group instead of
-# three), above it shrink then expand. An H200 measurement (benchmarks/lora_kernels_gpu.py
-# --sweep) sets it: 0 while the fused kernel, one program's pass over all of H, takes longer
-# than the three launches of the split pass even at one token.
-FUSED_MAX_TOKENS = 0
-
-
 def _kernels():
     """The Pallas kernels on a GPU; elsewhere their references (interpret mode is slow)."""
     if jax.default_backend() == "gpu":
         return lora_kernels.lora_shrink, lora_kernels.lora_expand
     return lora_kernels.lora_shrink_reference, lora_kernels.lora_expand_reference
-
-
-def _fused_kernel():
-    """_kernels()'s choice for the fused kernel."""
-    if jax.default_backend() == "gpu":
-        return lora_kernels.lora_fused
-    return lora_kernels.lora_fused_reference
 
 
 @dataclass(frozen=True)
@@ -153,11 +139,7 @@ class TokenLoRA:
         """base [T, ..., out] (the projection of x) + x @ A[slot] @ B[slot] per token."""
         if f"{group}_a" not in self.stacks:
             return base
+        shrink, expand = _kernels()
         flat = base.reshape(base.shape[0], -1)
-        a, b = self.stacks[f"{group}_a"], self.stacks[f"{group}_b"]
-        if base.shape[0] <= FUSED_MAX_TOKENS:
-            out = _fused_kernel()(flat, x, a, b, self.slot_ids)
-        else:
-            shrink, expand = _kernels()
-            out = expand(flat, shrink(x, a, self.slot_ids), b, self.slot_ids)
-        return out.reshape(base.shape)
+        y = shrink(x, self.stacks[f"{group}_a"], self.slot_ids)
+        return expand(flat, y, self.stacks[f"{group}_b"], self.slot_ids).reshape(base.shape)
