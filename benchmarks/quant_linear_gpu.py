@@ -1,96 +1,238 @@
 """One GPU call, ~1 minute: each Llama-3.1-8B projection alone, per weight kind and token count,
-to choose how each kind runs per bucket (the engine's batch-1 FP8 and int4 steps measured far
-from their floors: docs/lab/2026-12-01-session9.md).
+timed by the GPU kernels' own durations in a profiler trace, to choose how each kind runs per
+bucket (the engine's batch-1 FP8 and int4 steps measured far from their floors:
+docs/lab/2026-12-01-session9.md).
 
     python benchmarks/quant_linear_gpu.py --out DIR          # a GPU
     python benchmarks/quant_linear_gpu.py --out DIR --cpu    # tiny shapes, to test the script
 
 Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672,
-down 14336 -> 4096. Tokens T: 1, 8, 32, 128, 512, 2048. Kinds:
+down 14336 -> 4096. Tokens T: 1, 8, 16 (the engine's smallest bucket: batch-1 decode), 32, 128.
+Kinds:
 - bf16: x @ w;
-- fp8 W8A8: the engine's `linear` (x quantised per token, one FP8 x FP8 dot, both scales);
-- fp8 weight-only: x @ values upcast to bf16 inside the dot's fusion, then the channel scale
-  (what XLA makes of it is the question: a convert fused into a Triton GEMM reads 1 byte a
-  weight, a separate convert writes and reads 2 more);
-- int4: the engine's `linear` on random packed weights, group 128 (the Pallas kernel).
-Microseconds per call (`ceilings.time_chain`, weights rotated among copies that exceed L2) and
-% of the call's floor (weight + activation bytes over the measured copy bandwidth, or FLOPs over
-the matmul rate). DIR gets quant_linear.json; a table prints last.
+- fp8 W8A8: x quantised per token, one FP8 x FP8 dot (cuBLAS), both scales (models/quant.py);
+- fp8 weight-only: pallas_kernels/fp8_matmul.py, the weights upcast inside its K loop;
+- int4: pallas_kernels/quant_matmul.py on random packed weights, group 128.
+Then a sweep of block_n x num_warps for the two Pallas kernels at T 1 and 8 on gate_up and down.
+
+Timing: a jitted program calls the projection once on each of several weight copies (together
+over 4x the L2, so each call reads its weights from HBM), each call waiting for the last one's
+output (an optimization barrier: nothing merged or overlapped). Run under jax.profiler.trace,
+each run inside a named host annotation; the GPU kernels that ran within a run's annotation are
+summed per call (the median over runs); a run whose trace holds fewer GPU kernels than calls is
+an error, not a time. XLA's command buffers are off: under them the trace held one call's
+kernels a run. Wall-clock timing of such short calls carries ~15-30 us of dispatch each, more
+than the kernels themselves. Programs compile in parallel threads before the trace. % floor: the call's floor (weight + activation bytes over the measured copy
+bandwidth, or FLOPs over the matmul rate) over its time. DIR gets quant_linear.json; tables
+print last. --cpu: no GPU kernels in the trace, so each run's wall time (a test of the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import glob
+import gzip
+import inspect
 import json
+import math
 import os
+import statistics
+import tempfile
+import time
 
-import jax
-import jax.numpy as jnp
+# before jax starts: every kernel launched on its own, so the profiler traces each one
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_gpu_enable_command_buffer=").strip()
 
-from jaxllm.models.quant import Int4Weight, linear, quantize_fp8
-from pallas_kernels.ceilings import measure_ceilings, time_chain
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxllm.models import quant  # noqa: E402
+from pallas_kernels import fp8_matmul, quant_matmul  # noqa: E402
+from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
 
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
           "cpu": {"qkv": (256, 384), "down": (512, 256)}}
-TOKENS = {"gpu": (1, 8, 32, 128, 512, 2048), "cpu": (1, 8)}
-COPIES = 4  # weight copies rotated: 4 x the smallest (o, int4: 8 MiB) exceeds the 50 MiB L2
+TOKENS = {"gpu": (1, 8, 16, 32, 128), "cpu": (1, 8)}
+KINDS = ("bf16", "fp8 W8A8", "fp8 weight-only", "int4")
+PALLAS = {"fp8 weight-only": fp8_matmul.fp8_matmul, "int4": quant_matmul.int4_matmul}
+STORAGE = {"bf16": "bf16", "fp8 W8A8": "fp8", "fp8 weight-only": "fp8", "int4": "int4"}
+SWEEP = {"gpu": dict(block_n=(64, 128, 256), num_warps=(4, 8), tokens=(1, 8),
+                     shapes=("gate_up", "down")),
+         "cpu": dict(block_n=(32, 64), num_warps=(4,), tokens=(1,), shapes=("down",))}
+WEIGHT_SPAN = {"gpu": 256 << 20, "cpu": 0}  # bytes of weight copies a program cycles through
+RUNS = 5
+GROUP = 128
 
 
-def fp8_weight_only(x, w):
-    out_ndim = w.values.ndim - 1
-    y = jax.lax.dot_general(x, w.values.astype(x.dtype), (((1,), (out_ndim,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return (y * w.scale).astype(x.dtype)
+def default_tiles(kind: str, tokens: int, k: int, n: int) -> dict:
+    """The block_n and num_warps a Pallas kernel takes when not given them."""
+    params = inspect.signature(PALLAS[kind]).parameters
+    block_n = params["block_n"].default or quant_matmul.default_block_n(tokens, k, n)
+    return {"block_n": block_n, "num_warps": params["num_warps"].default}
 
 
-def weights(kind: str, k: int, n: int, key) -> list:
-    """COPIES weights of one kind for a [K, N] projection."""
+def weight_bytes(storage: str, k: int, n: int) -> float:
+    return k * n * {"bf16": 2.0, "fp8": 1.0, "int4": 0.5 + 3 / GROUP}[storage]
+
+
+def make_weights(storage: str, k: int, n: int, copies: int, key) -> list:
+    """`copies` random weights (bf16, fp8 or int4) for a [K, N] projection, as a call takes
+    them."""
     out = []
-    for i in range(COPIES):
+    for i in range(copies):
         sub = jax.random.fold_in(key, i)
+        if storage == "int4":
+            out.append((jax.random.bits(sub, (k // 8, n), jnp.uint32).view(jnp.int32),
+                        jnp.full((k // GROUP, n), 2e-3, jnp.bfloat16),
+                        jnp.full((k // GROUP, n), 8, jnp.uint8)))
+            continue
         w = (0.02 * jax.random.normal(sub, (k, n), jnp.float32)).astype(jnp.bfloat16)
-        if kind == "int4":
-            w = Int4Weight(jax.random.bits(sub, (k // 8, n), jnp.uint32).view(jnp.int32),
-                           jnp.full((k // 128, n), 2e-3, jnp.bfloat16),
-                           jnp.full((k // 128, n), 8, jnp.uint8), None, k)
-        elif kind.startswith("fp8"):
-            w = quantize_fp8(w)
-        out.append(w)
+        out.append(w if storage == "bf16" else quant.quantize_fp8(w))
     return out
 
 
-def weight_bytes(kind: str, k: int, n: int) -> float:
-    per = {"bf16": 2.0, "fp8 W8A8": 1.0, "fp8 weight-only": 1.0, "int4": 0.5 + 3 / 128}[kind]
-    return k * n * per
+def projection(kind: str, interpret: bool, tiles: dict):
+    """(x [T, K], one weight) -> [T, N] for a kind; tiles: the Pallas kernel's block_n and
+    num_warps (its defaults when empty)."""
+    if kind == "bf16":
+        return lambda x, w: x @ w
+    if kind == "fp8 W8A8":
+        return quant._fp8_w8a8
+    if kind == "fp8 weight-only":
+        return lambda x, w: fp8_matmul.fp8_matmul(x, w.values, w.scale, interpret=interpret,
+                                                  **tiles)
+    return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret, **tiles)
 
 
-def measure(kind: str, k: int, n: int, num_tokens: int, ceilings) -> dict:
-    ws = weights(kind, k, n, jax.random.key(k * 7 + n))
-    fn = fp8_weight_only if kind == "fp8 weight-only" else linear
-    x = (jax.random.normal(jax.random.key(1), (num_tokens, k), jnp.float32)).astype(jnp.bfloat16)
+def chain(call):
+    """One call per weight copy, each waiting for the last one's output."""
+    def run(x, ws):
+        for w in ws:
+            y = call(x, w)
+            x, y = jax.lax.optimization_barrier((x, y))
+        return y
+    return run
 
-    def call(x, i, ws):  # the output's first K columns feed the next call (a chain)
-        y = fn(x, ws[i % COPIES])
-        return jnp.tile(y, (1, -(-k // n)))[:, :k].astype(x.dtype) if n < k else y[:, :k]
 
-    seconds = time_chain(call, x, ws)
-    io_bytes = weight_bytes(kind, k, n) + 2 * num_tokens * (k + n)
+def variants(where: str) -> list[dict]:
+    """Every program to time: the kinds x projections x tokens, then the sweep's tile choices
+    (the defaults' cell is in the first list)."""
+    out = [dict(kind=kind, proj=proj, tokens=t, tiles={})
+           for proj in SHAPES[where] for kind in KINDS for t in TOKENS[where]]
+    sweep = SWEEP[where]
+    tiles = [dict(block_n=bn, num_warps=nw) for bn in sweep["block_n"] for nw in sweep["num_warps"]]
+    for kind in PALLAS:
+        out += [dict(kind=kind, proj=proj, tokens=t, tiles=tile, sweep=True)
+                for proj in sweep["shapes"] for t in sweep["tokens"] for tile in tiles
+                if tile != default_tiles(kind, t, *SHAPES[where][proj])]
+    return out
+
+
+def compile_all(programs: list[dict], args_of, interpret: bool) -> float:
+    """Lowers and compiles every program in threads (XLA's compiler releases the GIL); sets
+    each one's "compiled" (or "error"); returns the wall seconds."""
+    def build(p):
+        fn = jax.jit(chain(projection(p["kind"], interpret, p["tiles"])))
+        return fn.lower(*args_of(p)).compile()
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        futures = [pool.submit(build, p) for p in programs]
+        for p, future in zip(programs, futures):
+            try:
+                p["compiled"] = future.result()
+            except Exception as e:  # a failing variant is a row, not the end of the run
+                p["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return time.perf_counter() - start
+
+
+def trace_runs(programs: list[dict], args_of, trace_dir: str) -> None:
+    """Runs each compiled program RUNS times under the profiler, each run in its own host
+    annotation; sets each one's "windows" (host start, end in us) via the trace's events."""
+    for p in programs:
+        if "compiled" in p:
+            jax.block_until_ready(p["compiled"](*args_of(p)))  # loads its kernels
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for i, p in enumerate(programs):
+            if "compiled" not in p:
+                continue
+            args = args_of(p)
+            for r in range(RUNS):
+                with jax.profiler.TraceAnnotation(f"quant_linear:{i}:{r}"):
+                    jax.block_until_ready(p["compiled"](*args))
+
+
+def run_times(trace_dir: str) -> dict[tuple[int, int], dict]:
+    """(program, run) -> {"wall_us", "gpu_us", "kernels"}: its annotation's duration and the GPU
+    stream events (kernels, copies) whose midpoint falls inside it."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                            recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    process = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    windows, gpu = {}, []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e["name"].startswith("quant_linear:"):
+            _, i, r = e["name"].split(":")
+            windows[int(i), int(r)] = (e["ts"], e["ts"] + e["dur"])
+        elif (process.get(e["pid"], "").startswith("/device:GPU")
+              and thread.get((e["pid"], e["tid"]), "").startswith("Stream")):
+            gpu.append((e["ts"] + e["dur"] / 2, e["dur"]))
+    gpu.sort()
+    out = {}
+    for key, (start, end) in windows.items():
+        inside = [d for mid, d in gpu if start <= mid <= end]
+        out[key] = {"wall_us": end - start, "gpu_us": sum(inside), "kernels": len(inside)}
+    return out
+
+
+def row(p: dict, times: dict, index: int, ceilings, shapes) -> dict:
+    k, n = shapes[p["proj"]]
+    tiles = default_tiles(p["kind"], p["tokens"], k, n) if p["kind"] in PALLAS else {}
+    base = {"kind": p["kind"], "proj": p["proj"], "k": k, "n": n, "tokens": p["tokens"],
+            **tiles, **p["tiles"], "sweep": p.get("sweep", False)}
+    if "error" in p:
+        return {**base, "error": p["error"]}
+    runs = [times[index, r] for r in range(RUNS) if (index, r) in times]
+    on_gpu = any(t["kernels"] for t in runs)
+    if on_gpu and min(t["kernels"] for t in runs) < p["calls"]:
+        return {**base, "error": f"trace holds {[t['kernels'] for t in runs]} GPU kernels a run "
+                                 f"for {p['calls']} calls: timing incomplete"}
+    us = statistics.median((t["gpu_us"] if on_gpu else t["wall_us"]) / p["calls"] for t in runs)
+    io_bytes = weight_bytes(STORAGE[p["kind"]], k, n) + 2 * p["tokens"] * (k + n)
     floor = max(io_bytes / ceilings.hbm_bytes_per_s,
-                2 * num_tokens * k * n / ceilings.matmul_flops_per_s)
-    return {"kind": kind, "k": k, "n": n, "tokens": num_tokens, "us": seconds * 1e6,
-            "floor_us": floor * 1e6, "pct_floor": 100 * floor / seconds}
+                2 * p["tokens"] * k * n / ceilings.matmul_flops_per_s) * 1e6
+    return {**base, "us": us, "floor_us": floor, "pct_floor": 100 * floor / us,
+            "timer": "gpu kernels" if on_gpu else "wall",
+            "kernels_per_call": runs[0]["kernels"] / p["calls"], "calls": p["calls"]}
 
 
 def table(rows: list[dict]) -> str:
-    kinds = list(dict.fromkeys(r["kind"] for r in rows))
-    lines = ["| proj | T | " + " | ".join(f"{k} us (% floor)" for k in kinds) + " |",
-             "|" + " --- |" * (2 + len(kinds))]
-    for (k, n, t) in dict.fromkeys((r["k"], r["n"], r["tokens"]) for r in rows):
+    lines = ["| proj | T | " + " | ".join(f"{k} us (% floor)" for k in KINDS) + " |",
+             "|" + " --- |" * (2 + len(KINDS))]
+    for proj, t in dict.fromkeys((r["proj"], r["tokens"]) for r in rows):
         cells = [next((f"{r['us']:.1f} ({r['pct_floor']:.0f}%)" for r in rows
-                       if (r["kind"], r["k"], r["n"], r["tokens"]) == (kind, k, n, t)), "-")
-                 for kind in kinds]
-        lines.append(f"| {k}x{n} | {t} | " + " | ".join(cells) + " |")
+                       if (r["kind"], r["proj"], r["tokens"]) == (kind, proj, t)), "-")
+                 for kind in KINDS]
+        lines.append(f"| {proj} | {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = ["| kernel | proj | T | block_n | num_warps | us (% floor) |",
+             "|" + " --- |" * 6]
+    for r in sorted(rows, key=lambda r: (r["kind"], r["proj"], r["tokens"], r["us"])):
+        lines.append(f"| {r['kind']} | {r['proj']} | {r['tokens']} | {r['block_n']} | "
+                     f"{r['num_warps']} | {r['us']:.1f} ({r['pct_floor']:.0f}%) |")
     return "\n".join(lines)
 
 
@@ -101,23 +243,47 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     where = "cpu" if args.cpu else "gpu"
+    interpret = jax.default_backend() != "gpu"
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(secs)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    start = time.perf_counter()
     ceilings = (measure_ceilings("bfloat16", copy_bytes=1 << 20, matmul_n=128, reps=3)
                 if args.cpu else measure_ceilings("bfloat16"))
-    rows = []
-    for name, (k, n) in SHAPES[where].items():
-        for num_tokens in TOKENS[where]:
-            for kind in ("bf16", "fp8 W8A8", "fp8 weight-only", "int4"):
-                try:
-                    rows.append(measure(kind, k, n, num_tokens, ceilings))
-                except Exception as e:  # a failing kind is a row, not the end of the run
-                    rows.append({"kind": kind, "k": k, "n": n, "tokens": num_tokens,
-                                 "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                print(json.dumps(rows[-1]), flush=True)
-        with open(os.path.join(args.out, "quant_linear.json"), "w") as f:
-            json.dump({"device": ceilings.device, "ceilings": ceilings.as_dict(), "rows": rows},
-                      f, indent=1)
-    print(f"\n{ceilings.device}, copy {ceilings.hbm_bytes_per_s / 1e9:.0f} GB/s")
-    print(table([r for r in rows if "us" in r]))
+    shapes, programs = SHAPES[where], variants(where)
+    weights, xs = {}, {}
+    for proj, (k, n) in shapes.items():
+        for kind in dict.fromkeys(STORAGE.values()):
+            copies = max(2, math.ceil(WEIGHT_SPAN[where] / weight_bytes(kind, k, n)))
+            weights[proj, kind] = make_weights(kind, k, n, copies, jax.random.key(k * 7 + n))
+        for t in TOKENS[where]:
+            xs[t, k] = jax.random.normal(jax.random.key(t), (t, k), jnp.bfloat16)
+    args_of = lambda p: (xs[p["tokens"], shapes[p["proj"]][0]],
+                         weights[p["proj"], STORAGE[p["kind"]]])
+    for p in programs:
+        p["calls"] = len(args_of(p)[1])
+    setup_s = time.perf_counter() - start
+    compile_s = compile_all(programs, args_of, interpret)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        trace_runs(programs, args_of, trace_dir)
+        times = run_times(trace_dir)
+    rows = [row(p, times, i, ceilings, shapes) for i, p in enumerate(programs)]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    summary = {"device": ceilings.device, "ceilings": ceilings.as_dict(),
+               "programs": len(programs), "backend_compiles": len(compiles),
+               "setup_s": setup_s, "compile_wall_s": compile_s,
+               "total_s": time.perf_counter() - start}
+    with open(os.path.join(args.out, "quant_linear.json"), "w") as f:
+        json.dump({**summary, "rows": rows}, f, indent=1)
+    timed = [r for r in rows if "us" in r]
+    print(f"\n{json.dumps(summary)}\n{ceilings.device}, copy "
+          f"{ceilings.hbm_bytes_per_s / 1e9:.0f} GB/s")
+    print(table([r for r in timed if not r["sweep"]]))
+    sweep = SWEEP[where]
+    print(sweep_table([r for r in timed if r["kind"] in PALLAS and r["proj"] in sweep["shapes"]
+                       and r["tokens"] in sweep["tokens"]]))
 
 
 if __name__ == "__main__":
