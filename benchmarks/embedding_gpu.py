@@ -216,7 +216,7 @@ def write_outputs(rows: list[dict], out: str) -> None:
     lines += ["", "| model | one request of 8 tokens | jaxllm ms | peer ms |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['model']} | latency | {r['jaxllm_ms']:.2f} | {r['peer_ms']:.2f} |"
               for r in rows if r["metric"] == "latency"]
-    peers = sorted({r["peer"] for r in rows})
+    peers = sorted({r["peer"] for r in rows if "peer" in r})
     lines += ["", f"peer: {', '.join(peers)} on torch"]
     with open(os.path.join(out, "embedding.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

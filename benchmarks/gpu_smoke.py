@@ -56,13 +56,15 @@ class Case:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     speculative: bool = False  # n-gram speculation: its greedy tokens equal the plain ones'
+    eagle: bool = False  # EAGLE speculation with a random head: greedy tokens as plain
     lora: bool = False  # the second prompt runs with a random rank-16 adapter (multi-LoRA)
 
     @property
     def name(self) -> str:
         features = "".join([f" kv-{self.kv_cache_dtype}" * (self.kv_cache_dtype != "auto"),
                             f" q-{self.quantization}" * (self.quantization is not None),
-                            " ngram" * self.speculative, " lora" * self.lora])
+                            " ngram" * self.speculative, " eagle" * self.eagle,
+                            " lora" * self.lora])
         layout = f"tp{self.tp}" + f" dp{self.dp}" * (self.dp > 1) + f" pp{self.pp}" * (self.pp > 1)
         return (f"{self.model} {self.dtype} len{self.max_model_len} bs{self.block_size} "
                 f"seqs{self.max_num_seqs} {self.backend} {layout}{features}")
@@ -92,6 +94,7 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
               for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
+    cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", eagle=True) for seqs in (1, 8)]
     # the LoRA kernels (pallas) against their references (xla)
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, lora=True)
               for backend in ("pallas", "xla")]
@@ -122,6 +125,8 @@ def cpu_matrix() -> list[Case]:
                  backend="xla", speculative=True, **small),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
                  backend="xla", lora=True, **small),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
+                 backend="xla", eagle=True, **small),
             # the Mosaic kernel has no CPU lowering: a case that fails must not end the matrix
             Case(dtype="bfloat16", max_model_len=777, block_size=16, max_num_seqs=2,
                  backend="mosaic", expect_error=True, **small)]
@@ -146,7 +151,7 @@ def run_case(case: Case) -> dict:
               data_parallel_size=case.dp, pipeline_parallel_size=case.pp,
               gpu_memory_utilization=case.utilization, enforce_eager=case.enforce_eager,
               kv_cache_dtype=case.kv_cache_dtype, quantization=case.quantization,
-              speculative_config=NGRAM if case.speculative else None, **lora_kwargs)
+              speculative_config=_speculative(case), **lora_kwargs)
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts_for(case)], params,
@@ -160,6 +165,22 @@ def run_case(case: Case) -> dict:
     return {"start_s": round(started, 1), "generate_s": round(time.perf_counter() - start
                                                               - started, 1),
             "tokens": tokens, "top_logprobs": tops}
+
+
+def _speculative(case: Case) -> dict | None:
+    """n-gram, or EAGLE with a random head of the case's model saved for this process."""
+    if case.speculative:
+        return NGRAM
+    if not case.eagle:
+        return None
+    import tempfile
+
+    from jaxllm.loader.loader import read_hf_config
+    from spec_decode_gpu import save_eagle_head
+
+    head = save_eagle_head(tempfile.mkdtemp(prefix="gpu_smoke_eagle"),
+                           read_hf_config(case.model, "dummy"), identity=False)
+    return {"method": "eagle", "model": head, "num_speculative_tokens": 3}
 
 
 def _lora(case: Case):

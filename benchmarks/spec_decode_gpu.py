@@ -77,7 +77,7 @@ def make_llm(args, speculative: dict | None, **kwargs) -> LLM:
     engine = dict(model=args.model, load_format=args.load_format, max_model_len=4096,
                   max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
                   gpu_memory_utilization=0.85, speculative_config=speculative,
-                  async_scheduling=speculative is None, enforce_eager=args.cpu)
+                  enforce_eager=args.cpu)
     return LLM(**{**engine, **kwargs})
 
 
@@ -171,10 +171,12 @@ def run(args) -> dict:
     prompt = np.random.default_rng(7).integers(0, 1000, 64).tolist()
     expected = run_plain(args, prompt, results)
     release_memory()
-    if "ngram" in args.parts:
+    if args.parts & {"verify", "tpot", "throughput"}:
         run_ngram(args, prompt, expected, results)
         release_memory()
-    for name, draft in args.drafts.items() if "draft_model" in args.parts else ():
+    for name, draft in args.drafts.items() if args.parts & {"draft_model", "draft_self"} else ():
+        if "draft_model" not in args.parts and name != "self":
+            continue
         run_draft_model(args, name, draft, prompt, expected, results)
         release_memory()
     for name in ("random", "identity") if "eagle" in args.parts else ():
@@ -237,9 +239,10 @@ def run_plain(args, prompt: list[int], results: dict) -> list[int]:
     tpot(llm, prompt, 8)  # its first steps may compile (--cpu runs eager)
     results["tpot_plain_ms"], expected = tpot(llm, prompt, args.tpot_tokens)
     print(f"batch-1 TPOT, plain: {results['tpot_plain_ms']:.2f} ms", flush=True)
-    results["throughput_off"] = throughput(llm, args.num_requests, 512, 128)
-    print(f"throughput, speculation off: {results['throughput_off']:.0f} output tok/s",
-          flush=True)
+    if "throughput" in args.parts:
+        results["throughput_off"] = throughput(llm, args.num_requests, 512, 128)
+        print(f"throughput, speculation off: {results['throughput_off']:.0f} output tok/s",
+              flush=True)
     return expected
 
 
@@ -252,16 +255,19 @@ def run_ngram(args, prompt: list[int], expected: list[int], results: dict) -> No
     ngram = engine.proposer
     ngram.k = 4
     results["verify_ms"] = {}
-    for batch in args.batches:
+    for batch in args.batches if "verify" in args.parts else ():
         times = step_times(llm, batch, 512, {0: FixedDrafts(0), **{k: FixedDrafts(k) for k in KS}},
                            args.steps)
         results["verify_ms"][batch] = times
         print(f"batch {batch}: step ms " + ", ".join(
             f"k={k} {ms:.2f} ({ms / times[0]:.2f}x)" for k, ms in times.items()), flush=True)
-    for name, proposer in (("replay", ReplayDrafts(4, prompt, expected)), ("ngram", ngram)):
+    for name, proposer in ((("replay", ReplayDrafts(4, prompt, expected)), ("ngram", ngram))
+                           if "tpot" in args.parts else ()):
         engine.proposer = proposer
         tpot_with_drafts(llm, name, prompt, expected, args.tpot_tokens, results)
     engine.proposer = ngram
+    if "throughput" not in args.parts:
+        return
     engine.scheduler.speculative_config = dataclasses.replace(
         engine.scheduler.speculative_config, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE)
     results["throughput_on"] = throughput(llm, args.num_requests, 512, 128)
@@ -305,10 +311,13 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="the default model (real weights), small sizes: test the logic")
     parser.add_argument("--parts", default="ngram,draft_model,eagle",
-                        help="which of ngram (measurements 1-3), draft_model (4) and eagle (5) "
-                             "to run, beside plain decode (a GPU call too short for all)")
+                        help="which of verify (1), tpot (2), throughput (3), ngram (1-3), "
+                             "draft_model (4), draft_self (4, the target as its own draft "
+                             "only) and eagle (5) to run, beside plain decode")
     args = parser.parse_args()
     args.parts = set(args.parts.split(","))
+    if "ngram" in args.parts:
+        args.parts |= {"verify", "tpot", "throughput"}
     if args.cpu:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         args.model, args.load_format, args.max_num_batched_tokens = None, "auto", 512

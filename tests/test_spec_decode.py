@@ -294,7 +294,6 @@ def reference(llm_pair):
 def test_greedy_equals_greedy_without_speculation(kwargs, tiny_llama_dir, reference, llm_pair):
     prompts, expected = reference
     llm = llm_pair[True] if kwargs is None else make_llm(tiny_llama_dir, True, **kwargs)
-    assert not llm.llm_engine.async_scheduling  # speculation schedules synchronously
     before = llm.llm_engine.get_stats()
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     stats = {key: value - before[key] for key, value in llm.llm_engine.get_stats().items()
@@ -305,6 +304,29 @@ def test_greedy_equals_greedy_without_speculation(kwargs, tiny_llama_dir, refere
     if kwargs and "num_gpu_blocks_override" in kwargs:
         assert stats["num_preemptions_total"] > 0
     assert_all_blocks_free(llm)
+
+
+def test_async_while_the_batch_is_too_large_to_speculate(tiny_llama_dir, reference):
+    """With async scheduling on, a speculating engine keeps a second step in flight only while
+    disable_by_batch_size keeps speculation off, and runs synchronously (nothing left in
+    flight after a step) while it speculates; tokens are greedy's through both switches."""
+    prompts, expected = reference
+    llm = make_llm(tiny_llama_dir, False, max_num_batched_tokens=32, speculative_config={
+        **NGRAM, "disable_by_batch_size": 4})
+    engine = llm.llm_engine
+    lengths = [8 + 4 * i for i in range(len(prompts))]  # they finish one by one
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):  # async until 3 are left
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                          min_tokens=n))
+    left_in_flight, outputs = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        left_in_flight.append(len(engine._in_flight))
+    assert [outputs[str(i)] for i in range(len(prompts))] == [
+        tokens[:n] for tokens, n in zip(expected, lengths)]
+    assert 1 in left_in_flight and 0 in left_in_flight
+    assert engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
 
 
 def test_prefix_cache_hits_change_nothing(reference, llm_pair):

@@ -67,7 +67,7 @@ def test_config_builds_the_draft_model_config(tiny_llama_dir, tiny_draft_dir):
     draft = config.speculative_config.draft_model_config
     assert (draft.model, draft.max_model_len, draft.dtype) == (tiny_draft_dir, 96, "float32")
     assert draft.hf_config["num_hidden_layers"] == 1
-    assert not config.runner_config.async_scheduling
+    assert config.runner_config.async_scheduling  # synchronous only while speculating
 
 
 def test_vocab_mismatch_refused(tiny_llama_dir, tmp_path):

@@ -101,10 +101,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 compilation_cache_dir=self.compilation_cache_dir,
                 enforce_eager=self.enforce_eager,
-                # The proposer needs a step's accepted tokens before the next step can be
-                # scheduled (see docs/design.md, speculative decoding), as vLLM's first V1
-                # speculation: such engines schedule synchronously.
-                async_scheduling=self.async_scheduling and speculative is None,
+                async_scheduling=self.async_scheduling,
                 lean_steps=self.lean_steps),
             pooler_config=pooler_config, speculative_config=speculative,
             lora_config=self._lora_config(model_config))

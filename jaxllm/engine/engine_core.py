@@ -150,10 +150,24 @@ class EngineCore(LoRAAdmin):
         else:
             self.runner.release(scheduler_output.finished_req_ids
                                 | scheduler_output.preempted_req_ids)
-        if self._in_flight and (len(self._in_flight) >= self.max_in_flight
-                                or not scheduler_output.num_reqs):
-            return self._process(*self._in_flight.popleft())
+        limit = self._steps_in_flight(scheduler_output)
+        if self._in_flight and (len(self._in_flight) >= limit or not scheduler_output.num_reqs):
+            outputs = self._process(*self._in_flight.popleft())
+            while len(self._in_flight) >= limit:  # speculation resumes: run synchronously
+                outputs += self._process(*self._in_flight.popleft())
+            return outputs
         return []
+
+    def _steps_in_flight(self, scheduler_output: SchedulerOutput) -> int:
+        """max_in_flight, but one while speculating: a step that verifies drafts must finish
+        before the next is scheduled (which positions exist depends on what it accepts), and
+        drafts are proposed from a step's tokens. So a speculating engine runs synchronously
+        while its batch is small and asynchronously once disable_by_batch_size turns
+        speculation off (a large batch gains most from overlapping the host's work)."""
+        if self.config.speculative_config is not None and (
+                scheduler_output.scheduled_spec_decode_tokens or self.scheduler.speculation_on()):
+            return 1
+        return self.max_in_flight
 
     def _process(self, scheduler_output: SchedulerOutput,
                  launched: LaunchedStep) -> list[RequestOutput]:
