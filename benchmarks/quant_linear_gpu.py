@@ -11,9 +11,8 @@ down 14336 -> 4096. Tokens T: 1, 8, 16 (the engine's smallest bucket: batch-1 de
 Kinds:
 - bf16: x @ w;
 - fp8 W8A8: x quantised per token, one FP8 x FP8 dot (cuBLAS), both scales (models/quant.py);
-- fp8 weight-only: pallas_kernels/fp8_matmul.py, the weights upcast inside its K loop;
 - int4: pallas_kernels/quant_matmul.py on random packed weights, group 128.
-Then a sweep of block_n x num_warps for the two Pallas kernels at T 1 and 8 on gate_up and down.
+Then a sweep of block_n x num_warps for the int4 kernel at T 1 and 8 on gate_up and down.
 
 Timing: a jitted program calls the projection once on each of several weight copies (together
 over 4x the L2, so each call reads its weights from HBM), each call waiting for the last one's
@@ -49,16 +48,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.models import quant  # noqa: E402
-from pallas_kernels import fp8_matmul, quant_matmul  # noqa: E402
+from pallas_kernels import quant_matmul  # noqa: E402
 from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
 
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
           "cpu": {"qkv": (256, 384), "down": (512, 256)}}
 TOKENS = {"gpu": (1, 8, 16, 32, 128), "cpu": (1, 8)}
-KINDS = ("bf16", "fp8 W8A8", "fp8 weight-only", "int4")
-PALLAS = {"fp8 weight-only": fp8_matmul.fp8_matmul, "int4": quant_matmul.int4_matmul}
-STORAGE = {"bf16": "bf16", "fp8 W8A8": "fp8", "fp8 weight-only": "fp8", "int4": "int4"}
+KINDS = ("bf16", "fp8 W8A8", "int4")
+PALLAS = {"int4": quant_matmul.int4_matmul}
+STORAGE = {"bf16": "bf16", "fp8 W8A8": "fp8", "int4": "int4"}
 SWEEP = {"gpu": dict(block_n=(64, 128, 256), num_warps=(4, 8), tokens=(1, 8),
                      shapes=("gate_up", "down")),
          "cpu": dict(block_n=(32, 64), num_warps=(4,), tokens=(1,), shapes=("down",))}
@@ -100,10 +99,7 @@ def projection(kind: str, interpret: bool, tiles: dict):
     if kind == "bf16":
         return lambda x, w: x @ w
     if kind == "fp8 W8A8":
-        return quant._fp8_w8a8
-    if kind == "fp8 weight-only":
-        return lambda x, w: fp8_matmul.fp8_matmul(x, w.values, w.scale, interpret=interpret,
-                                                  **tiles)
+        return quant._fp8_linear
     return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret, **tiles)
 
 

@@ -1,7 +1,6 @@
 """Quantised kernels in interpret mode against their references, and their CUDA lowering on this
-CPU machine: the int4 GEMM (zero point and scale applied per group), the FP8 weight-only GEMM
-and which FP8 path `linear` takes, and the FP8 KV cache through the KV write and the Triton
-attention kernel."""
+CPU machine: the int4 GEMM (zero point and scale applied per group), the FP8 weights' dot, and
+the FP8 KV cache through the KV write and the Triton attention kernel."""
 
 import functools
 
@@ -9,15 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import h200_mesh, lower_for_h200
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import lower_for_h200
 from test_kv_write import random_step
 from test_ragged_paged_attention import make_batch, poison, rel_err
 
-from jaxllm.models import quant
-from jaxllm.models.quant import dequantize, linear, quantize_fp8
-from pallas_kernels import fp8_matmul as fm
+from jaxllm.models.quant import linear, quantize_fp8
 from pallas_kernels import quant_matmul as qm
 from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
@@ -110,117 +105,15 @@ def test_int4_matmul_lowers_for_cuda():
         assert "int4_matmul" in lower_for_h200(functools.partial(qm.int4_matmul, **tiles), *args)
 
 
-# -- FP8 weights ----------------------------------------------------------------------------
-def random_fp8(seed, m, k, n, dtype):
-    rng = np.random.default_rng(seed)
-    values = jnp.asarray(np.clip(100 * rng.standard_normal((n, k)), -448, 448), FP8)
-    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
-    return jnp.asarray(rng.standard_normal((m, k)), dtype), values, scale
-
-
-@pytest.mark.parametrize("m,k,n,dtype,splits", [
-    (1, 256, 96, jnp.bfloat16, None), (3, 384, 80, jnp.float32, None),
-    (17, 512, 72, jnp.float16, None), (70, 256, 40, jnp.bfloat16, None),
-    (5, 300, 56, jnp.bfloat16, None),  # K ragged (masked)
-    (1, 1024, 40, jnp.bfloat16, 3), (3, 640, 64, jnp.float32, 2)])  # K split, uneven
-def test_fp8_matmul_kernel_matches_reference(m, k, n, dtype, splits):
-    """The upcast is exact, so kernel and reference sum the same products in fp32 (in another
-    order) and round once to x's dtype: element by element at most a rounding of each output
-    and K roundings of the sums apart."""
-    x, values, scale = random_fp8(m, m, k, n, dtype)
-    got = fm.fp8_matmul(x, values, scale, block_n=32, splits=splits, interpret=True)
-    want = fm.fp8_matmul_reference(x, values, scale)
-    assert got.shape == (m, n) and got.dtype == dtype
-    w = np.asarray(values, np.float64) * np.asarray(scale, np.float64)[:, None]  # [N, K]
-    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    bound = (UNIT[dtype] * (np.abs(got64) + np.abs(want64))
-             + 2 * k * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(w).T))
-    assert np.all(np.abs(got64 - want64) <= bound)
-    assert rel_err(got, np.asarray(x, np.float64) @ w.T) < UNIT[dtype] + 1e-6
-
-
-def test_fp8_matmul_lowers_for_cuda():
-    sds = jax.ShapeDtypeStruct
-    for m, k, n, dtype, tiles in [(1, 4096, 6144, jnp.bfloat16, {}),
-                                  (16, 14336, 4096, jnp.bfloat16, dict(block_n=128, num_warps=8)),
-                                  (64, 4096, 4096, jnp.float16, {}),
-                                  (3, 300, 70, jnp.float32, {})]:  # ragged K and N
-        args = (sds((m, k), dtype), sds((n, k), FP8), sds((n,), jnp.float32))
-        assert "fp8_matmul" in lower_for_h200(functools.partial(fm.fp8_matmul, **tiles), *args)
-
-
-def fp8_linear_text(num_tokens, out_shape):
-    w = quantize_fp8(jnp.zeros((512, *out_shape), jnp.bfloat16))
-    return lower_for_h200(lambda x, w: linear(x, w),
-                          jax.ShapeDtypeStruct((num_tokens, 512), jnp.bfloat16),
-                          jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w))
-
-
 def test_fp8_linear_lowers_to_an_fp8_dot():
-    """Past FP8_WEIGHT_ONLY_MAX_TOKENS, the GEMM XLA's GPU compiler maps to cuBLASLt's FP8
-    kernels: float8_e4m3fn operands, the weight K-minor (Hopper's FP8 GEMMs take only that
-    operand layout), fp32 accumulation."""
-    t = quant.FP8_WEIGHT_ONLY_MAX_TOKENS + 1
-    dots = [line for line in fp8_linear_text(t, (768,)).splitlines() if "dot_general" in line]
-    assert any("f8E4M3FN" in d and "contracting_dims = [1] x [1]" in d
-               and f"-> tensor<{t}x768xf32>" in d for d in dots), dots
-
-
-def test_fp8_linear_few_tokens_run_the_weight_only_kernel(monkeypatch):
-    """Up to FP8_WEIGHT_ONLY_MAX_TOKENS (set here), one device: the Pallas kernel (a weight with
-    two output axes, as w_gate_up, flattened to [N, K]), no FP8 dot."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernel, not its reference
-    monkeypatch.setattr(quant, "FP8_WEIGHT_ONLY_MAX_TOKENS", 16)
-    for t, out_shape in [(1, (768,)), (16, (2, 384))]:
-        text = fp8_linear_text(t, out_shape)
-        assert "fp8_matmul" in text
-        assert not [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-        assert f"tensor<{t}x{'x'.join(map(str, out_shape))}xbf16>" in text
-
-
-def test_fp8_weight_only_runs_per_device_at_tp2(monkeypatch):
-    """At TP=2 a weight placed by shard_weight runs the kernel on each device's shards (a row
-    split's partial products summed by an all-reduce, no array gathered); one placed otherwise
-    keeps W8A8 on the global arrays."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(quant, "FP8_WEIGHT_ONLY_MAX_TOKENS", 16)
-    mesh = h200_mesh(tensor=2)
-    sds = lambda shape, dtype, *spec: jax.ShapeDtypeStruct(
-        shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
-    k, n = 4096, 1024
-    for x_spec, (k_axis, out_axis) in [((None, "tensor"), ("tensor", None)),
-                                       ((), (None, "tensor"))]:
-        values, scale = sds((n, k), FP8, out_axis, k_axis), sds((n,), jnp.float32, out_axis)
-        x = sds((16, k), jnp.bfloat16, *x_spec)
-        text = lower_for_h200(linear, x, quant.Fp8Weight(values, scale, (k_axis, out_axis)),
-                              mesh=mesh)
-        assert "fp8_matmul" in text and "stablehlo.dot_general" not in text
-        assert ("stablehlo.all_reduce" in text) == (k_axis is not None)
-        assert "all_gather" not in text
-        text = lower_for_h200(linear, x, quant.Fp8Weight(values, scale), mesh=mesh)
-        assert "fp8_matmul" not in text and "f8E4M3FN" in next(
-            line for line in text.splitlines() if "stablehlo.dot_general" in line)
-
-
-def test_shard_weight_records_the_fp8_split():
-    mesh = jax.make_mesh((1,), ("tensor",))
-    w = quant.shard_weight(quantize_fp8(jnp.ones((256, 2, 64))),
-                           NamedSharding(mesh, P(None, None, "tensor")))
-    assert w.partition == (None, None, "tensor") and w.values.sharding.spec == P(None, "tensor", None)
-    assert quant.shard_weight(quantize_fp8(jnp.ones((256, 64))), None).partition == ()
-
-
-def test_fp8_linear_paths_on_cpu(monkeypatch):
-    """The weight-only path leaves x unquantised: x @ the dequantised weight to fp32 rounding;
-    W8A8, past the threshold, is a few % off (x rounded to e4m3)."""
-    monkeypatch.setattr(quant, "FP8_WEIGHT_ONLY_MAX_TOKENS", 16)
-    rng = np.random.default_rng(2)
-    w = quantize_fp8(jnp.asarray(rng.standard_normal((96, 2, 24)), jnp.float32))
-    exact = lambda x: np.einsum("tk,kgo->tgo", x, np.asarray(dequantize(w)))
-    few = rng.standard_normal((16, 96)).astype(np.float32)
-    assert rel_err(linear(jnp.asarray(few), w), exact(few)) < 1e-6
-    many = rng.standard_normal((17, 96)).astype(np.float32)
-    assert 1e-3 < rel_err(linear(jnp.asarray(many), w), exact(many)) < 0.05
+    """The GEMM XLA's GPU compiler maps to cuBLASLt's FP8 kernels: float8_e4m3fn operands, the
+    weight K-minor (Hopper's FP8 GEMMs take only that operand layout), fp32 accumulation."""
+    w = quantize_fp8(jnp.zeros((512, 768), jnp.bfloat16))
+    text = lower_for_h200(lambda x, w: linear(x, w), jax.ShapeDtypeStruct((4, 512), jnp.bfloat16),
+                          jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w))
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert any("f8E4M3FN" in d and "contracting_dims = [1] x [1]" in d and "-> tensor<4x768xf32>"
+               in d for d in dots), dots
 
 
 # -- FP8 KV cache ---------------------------------------------------------------------------

@@ -2,11 +2,9 @@
 
 A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one of:
   Fp8Weight  values [*out, K] float8_e4m3fn, scale [*out] float32: w[k, o] = values[o, k] * scale[o]
-             (per output channel; K minor, the operand layout Hopper's FP8 GEMMs read). Up to
-             FP8_WEIGHT_ONLY_MAX_TOKENS tokens (at present none) run weight-only (W8A16:
-             pallas_kernels/fp8_matmul.py upcasts the weights inside its K loop, x as it is);
-             more run W8A8: activations quantised per token on the fly, one FP8 x FP8 dot
-             accumulating in fp32, then both scales.
+             (per output channel; K minor, the operand layout Hopper's FP8 GEMMs read). Run as
+             W8A8: activations quantised per token on the fly, one FP8 x FP8 dot accumulating
+             in fp32, then both scales.
   Fp8Experts values [E, K, N] float8_e4m3fn, scale [E, N] float32: an MoE layer's experts, each
              per output channel; W8A16 in the grouped matmul (a tile cast after its load, the
              accumulator scaled), the experts' own [E, K, N] layout kept.
@@ -18,10 +16,9 @@ of q/k/v and stacking of gate/up) to plain and quantised weights alike.
 
 Tensor parallelism: `shard_weight(w, sharding)` places a weight per the sharding of the plain
 [K, *out] matrix it stands for (sharding/rules.py's rules): each array's output axes and K axis
-as the plain weight's. FP8's W8A8 runs on the global arrays (GSPMD partitions the dot, and the
-per-token scale's max over a split K becomes a max all-reduce); the Pallas kernels, FP8
-weight-only and int4, run per device (shard_map, as attention), a K split's partial products
-summed by an all-reduce. Int4 builds a K split into its layout: K in `k_shards` equal slices,
+as the plain weight's. FP8 runs on the global arrays (GSPMD partitions the dot, and the
+per-token scale's max over a split K becomes a max all-reduce). Int4 runs the kernel per device
+(shard_map, as attention), so a K split is built into its layout: K in `k_shards` equal slices,
 each padded to the kernel's chunk and packed on its own, a slice per device.
 """
 
@@ -37,16 +34,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import fp8_matmul, quant_matmul
+from pallas_kernels import quant_matmul
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
-# Token counts up to this run FP8 weights weight-only (the Pallas kernel), above it W8A8. An
-# H200 measurement sets it (benchmarks/quant_linear_gpu.py): none while cuBLAS's W8A8 is the
-# faster at every count measured. The engine's smallest token bucket is 16 (batch-1 decode).
-FP8_WEIGHT_ONLY_MAX_TOKENS = 0
 
 
 @jax.tree_util.register_dataclass
@@ -54,8 +47,6 @@ FP8_WEIGHT_ONLY_MAX_TOKENS = 0
 class Fp8Weight:
     values: jax.Array  # [*out, K] float8_e4m3fn
     scale: jax.Array  # [*out] float32
-    # the plain [K, *out] weight's PartitionSpec entries when placed on a mesh, else ()
-    partition: tuple = field(default=(), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,18 +100,6 @@ def linear(x: jax.Array, w) -> jax.Array:
 
 
 def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
-    # A weight on a mesh that shard_weight did not place keeps W8A8: the kernel needs its split.
-    if (x.shape[0] > FP8_WEIGHT_ONLY_MAX_TOKENS
-            or (not w.partition and jax.sharding.get_abstract_mesh().size > 1)):
-        return _fp8_w8a8(x, w)
-    if not w.partition:
-        return _fp8_weight_only(x, w.values, w.scale)
-    k_axis, out_axes = w.partition[0], w.partition[1:]
-    return _per_device(_fp8_weight_only, x, (w.values, w.scale),
-                       (P(*out_axes, k_axis), P(*out_axes)), w.partition)
-
-
-def _fp8_w8a8(x: jax.Array, w: Fp8Weight) -> jax.Array:
     # values' output axes kept (no reshape to [N, K]): a reshape would merge a split output
     # axis (w_gate_up's I) with an unsplit one, which GSPMD can only do by gathering
     out_ndim = w.values.ndim - 1
@@ -131,18 +110,10 @@ def _fp8_w8a8(x: jax.Array, w: Fp8Weight) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def _fp8_weight_only(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [T, K] @ one device's values [*out, K] (its whole arrays: output axes merge locally)."""
-    matmul = (fp8_matmul.fp8_matmul if jax.default_backend() == "gpu"
-              else fp8_matmul.fp8_matmul_reference)
-    y = matmul(x, values.reshape(-1, values.shape[-1]), scale.reshape(-1))
-    return y.reshape(x.shape[0], *values.shape[:-1])
-
-
 def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
     if not w.partition:
         return _int4_local(x, w.qweight, w.scales, w.zeros, w.perm)
-    k_axis = w.partition[0]
+    k_axis, out_axes = w.partition[0], w.partition[1:]
     rows = P(*w.partition)
     perm = () if w.perm is None else (w.perm,)
 
@@ -151,25 +122,12 @@ def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
             # act order over a K split: a device's packed rows come from anywhere in K, so it
             # gathers x whole (an all-gather of the activations; without act order x stays split)
             x = jax.lax.all_gather(x, k_axis, axis=1, tiled=True)
-        return _int4_local(x, qweight, scales, zeros, *perm)
-
-    return _per_device(local, x, (w.qweight, w.scales, w.zeros, *perm),
-                       (rows, rows, rows) + (P(k_axis),) * len(perm), w.partition)
-
-
-def _per_device(local: Callable, x: jax.Array, arrays: tuple, specs: tuple,
-                partition: tuple) -> jax.Array:
-    """local(x, *arrays) on each device's shards (shard_map): x [T, K] split as the plain
-    weight's K (partition[0]), arrays per `specs`, the output [T, *out] as its output axes; the
-    partial products of a K split summed."""
-    k_axis, out_axes = partition[0], partition[1:]
-
-    def run(x, *arrays):
-        y = local(x, *arrays)
+        y = _int4_local(x, qweight, scales, zeros, *perm)
         return y if k_axis is None else jax.lax.psum(y, k_axis)
 
-    return jax.shard_map(run, in_specs=(P(None, k_axis), *specs), out_specs=P(None, *out_axes),
-                         check_vma=False)(x, *arrays)
+    return jax.shard_map(local, in_specs=(P(None, k_axis), rows, rows, rows) +
+                         (P(k_axis),) * len(perm), out_specs=P(None, *out_axes),
+                         check_vma=False)(x, w.qweight, w.scales, w.zeros, *perm)
 
 
 def _int4_local(x, qweight, scales, zeros, perm=None) -> jax.Array:
@@ -235,7 +193,7 @@ def map_out(fn: Callable[..., jax.Array], ws: list):
     axes are kept as they are, its last is an output axis): plain arrays, or the arrays of
     quantised weights that carry output axes; a weight's `perm` must be shared and is kept."""
     first = ws[0]
-    if isinstance(first, Fp8Weight):  # a new layout: placed again by shard_weight
+    if isinstance(first, Fp8Weight):
         values = fn(*(jnp.moveaxis(w.values, -1, 0) for w in ws))
         return Fp8Weight(jnp.moveaxis(values, 0, -1), fn(*(w.scale for w in ws)))
     if isinstance(first, Int4Weight):  # a new layout: placed again by shard_weight
@@ -265,7 +223,7 @@ def shard_weight(w, sharding: NamedSharding | None):
     k_axis, out_axes = spec[0], spec[1:]
     put = lambda a, *s: jax.device_put(a, NamedSharding(sharding.mesh, P(*s)))
     if isinstance(w, Fp8Weight):  # the scale is per output channel: replicated over a K split
-        return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes), spec)
+        return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes))
     if isinstance(w, Fp8Experts):  # [E, K, N]: the scale [E, N] split as E and N are
         return Fp8Experts(put(w.values, *spec), put(w.scale, spec[0], spec[2]))
     if w.k_shards != k_shards_of(sharding):
