@@ -53,11 +53,23 @@ class PoolingOutput:
     data: np.ndarray  # the pooler's output: an embedding, class probabilities, or per-token
 
 
+class _PromptIds:
+    """vLLM's prompt_token_ids list, made from the engine's array when first read (the
+    conversion costs as much host time per token as the rest of a pooling request)."""
+    _prompt_token_ids: list[int] | np.ndarray
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        if isinstance(self._prompt_token_ids, np.ndarray):
+            self._prompt_token_ids = self._prompt_token_ids.tolist()
+        return self._prompt_token_ids
+
+
 @dataclass
-class PoolingRequestOutput:
+class PoolingRequestOutput(_PromptIds):
     request_id: str
     outputs: PoolingOutput
-    prompt_token_ids: list[int]
+    _prompt_token_ids: list[int] | np.ndarray
     finished: bool = True
 
 
@@ -106,34 +118,34 @@ class ScoringOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
+class EmbeddingRequestOutput(_PromptIds):
     request_id: str
     outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
+    _prompt_token_ids: list[int] | np.ndarray
     finished: bool = True
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(output.request_id, EmbeddingOutput(output.outputs.data),
-                   output.prompt_token_ids, output.finished)
+                   output._prompt_token_ids, output.finished)
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(_PromptIds):
     request_id: str
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
+    _prompt_token_ids: list[int] | np.ndarray
     finished: bool = True
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
         return cls(output.request_id, ClassificationOutput(output.outputs.data),
-                   output.prompt_token_ids, output.finished)
+                   output._prompt_token_ids, output.finished)
 
 
 @dataclass
-class ScoringRequestOutput:
+class ScoringRequestOutput(_PromptIds):
     request_id: str
     outputs: ScoringOutput
-    prompt_token_ids: list[int]
+    _prompt_token_ids: list[int] | np.ndarray
     finished: bool = True

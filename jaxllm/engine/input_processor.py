@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 class InputError(ValueError):
     """A prompt the engine cannot take; `param` names the request field at fault."""
@@ -51,7 +53,8 @@ class InputProcessor:
             return self.from_text(prompt["prompt"])
         # Token ids: the text is what the caller gave (vLLM's RequestOutput.prompt).
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
-        ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        ids = ids if isinstance(ids, np.ndarray) else list(ids)
         self.check_vocab(ids)
         return self._checked(ids, text)
 
@@ -92,7 +95,7 @@ class InputProcessor:
 
     # -- checks ---------------------------------------------------------------------------------
     def check_vocab(self, token_ids: list[int], param: str = "prompt") -> None:
-        if token_ids and 0 <= min(token_ids) and max(token_ids) < self.vocab_size:
+        if len(token_ids) and 0 <= min_of(token_ids) and max_of(token_ids) < self.vocab_size:
             return
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
@@ -116,7 +119,7 @@ class InputProcessor:
 
     def _checked(self, token_ids: list[int], text: str | None,
                  param: str = "prompt") -> ProcessedPrompt:
-        if not token_ids:
+        if not len(token_ids):
             raise InputError("The decoder prompt cannot be empty.", param)
         if len(token_ids) > self.max_model_len:
             raise InputError(
@@ -133,3 +136,12 @@ class InputProcessor:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your request has {len(text)} characters, more than {self.max_model_len} "
                 f"tokens can hold. Please reduce the length of the input messages.", param)
+
+
+def min_of(token_ids) -> int:
+    """min() at C speed for a list and at numpy's for an array."""
+    return token_ids.min() if isinstance(token_ids, np.ndarray) else min(token_ids)
+
+
+def max_of(token_ids) -> int:
+    return token_ids.max() if isinstance(token_ids, np.ndarray) else max(token_ids)

@@ -66,8 +66,9 @@ class PoolingEngine(LoRAAdmin):
         params = self._resolve(pooling_params)
         if lora_request is not None:
             self.add_lora(lora_request)  # loaded now: a bad adapter is refused here
-        self.scheduler.add_request(PoolingRequest(request_id, list(prompt_token_ids), params,
-                                                  lora_request))
+        ids = (prompt_token_ids if isinstance(prompt_token_ids, np.ndarray)
+               else list(prompt_token_ids))  # the caller's list is not ours to keep
+        self.scheduler.add_request(PoolingRequest(request_id, ids, params, lora_request))
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def _resolve(self, params: PoolingParams) -> PoolingParams:

@@ -27,18 +27,24 @@ def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) ->
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[int] | dict[str, Any],
-                     max_length: int | None) -> list[int]:
-    """A text is tokenised with the model's special tokens (truncated by the tokenizer, which
-    keeps them); token ids keep their last max_length (as vLLM)."""
+                     max_length: int | None) -> np.ndarray:
+    """-> the prompt's token ids as a 1-D integer array (a batch's prompts are then copied
+    and checked by numpy, not token by token in Python). A text is tokenised with the model's
+    special tokens (truncated by the tokenizer, which keeps them); token ids keep their last
+    max_length (as vLLM)."""
     if isinstance(prompt, dict):
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("This model has no tokenizer: give prompts as token ids.")
         if max_length is None:
-            return tokenizer(prompt)["input_ids"]
-        return tokenizer(prompt, truncation=True, max_length=max_length)["input_ids"]
-    ids = list(map(int, prompt))
+            return np.asarray(tokenizer(prompt)["input_ids"], np.int64)
+        return np.asarray(tokenizer(prompt, truncation=True, max_length=max_length)["input_ids"],
+                          np.int64)
+    try:
+        ids = np.fromiter(prompt, np.int64, len(prompt))
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("A prompt must be a text or a list of integer token ids.") from None
     return ids[-max_length:] if max_length is not None else ids
 
 
