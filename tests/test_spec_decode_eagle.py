@@ -42,9 +42,11 @@ def _layer_tensors(rng, cfg: dict, in_size: int) -> dict[str, np.ndarray]:
             for name, shape in shapes.items()}
 
 
-def save_eagle_head(out_dir: str, target_cfg: dict, eagle3: bool, seed: int) -> str:
+def save_eagle_head(out_dir: str, target_cfg: dict, eagle3: bool, seed: int,
+                    aux_ids: list[int] | None = None) -> str:
     """A random head in the public checkpoints' layout (EAGLE: fc with bias, layers.0.*;
-    EAGLE-3: midlayer.*, norm, lm_head over DRAFT_VOCAB ids and d2t)."""
+    EAGLE-3: midlayer.*, norm, lm_head over DRAFT_VOCAB ids and d2t; aux_ids: the target
+    layers it reads, in vLLM's config key, else the recipe's three)."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -52,8 +54,8 @@ def save_eagle_head(out_dir: str, target_cfg: dict, eagle3: bool, seed: int) -> 
     prefix = "midlayer." if eagle3 else "layers.0."
     tensors = {prefix + name: value
                for name, value in _layer_tensors(rng, target_cfg, (2 if eagle3 else 1) * h).items()}
-    tensors["fc.weight"] = (0.1 * rng.standard_normal((h, (3 if eagle3 else 2) * h))
-                            ).astype(np.float32)
+    num_features = len(aux_ids or [0, 0, 0]) if eagle3 else 2
+    tensors["fc.weight"] = (0.1 * rng.standard_normal((h, num_features * h))).astype(np.float32)
     tensors["embed_tokens.weight"] = np.zeros((vocab, h), np.float32)  # skipped: shared
     config = {k: v for k, v in target_cfg.items() if k != "model_type"}
     config.update(architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"],
@@ -68,6 +70,8 @@ def save_eagle_head(out_dir: str, target_cfg: dict, eagle3: bool, seed: int) -> 
         tensors["d2t"] = (ids - np.arange(DRAFT_VOCAB)).astype(np.int64)
         tensors["t2d"] = np.isin(np.arange(vocab), ids)
         config["draft_vocab_size"] = DRAFT_VOCAB
+        if aux_ids:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids}
     else:
         tensors["fc.bias"] = (0.1 * rng.standard_normal(h)).astype(np.float32)
     os.makedirs(out_dir, exist_ok=True)
@@ -97,6 +101,10 @@ class EagleReference:
                   for k, v in load_file(os.path.join(head_dir, "model.safetensors")).items()}
         self.eagle3 = eagle3
         self.prefix = "midlayer." if eagle3 else "layers.0."
+        with open(os.path.join(head_dir, "config.json")) as f:
+            self.aux = (json.load(f).get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids") or eagle3_aux_layers(
+                    self.cfg.num_hidden_layers)
 
     def drafts(self, tokens: list[int], k: int) -> list[int]:
         """The k greedy drafts after `tokens` (the last one not yet computed by the target)."""
@@ -104,8 +112,7 @@ class EagleReference:
         with torch.no_grad():
             out = self.target(torch.tensor([tokens[:-1]]), output_hidden_states=True)
             if self.eagle3:
-                streams = [out.hidden_states[i][0] for i in eagle3_aux_layers(
-                    self.cfg.num_hidden_layers)]
+                streams = [out.hidden_states[i][0] for i in self.aux]
                 features = torch.cat(streams, -1) @ w["fc.weight"].T
             else:
                 features = out.hidden_states[-1][0]  # after the final norm
@@ -170,6 +177,8 @@ def eagle_dirs(tmp_path_factory, tiny_llama_dir) -> dict:
                 str(tmp_path_factory.mktemp("eagle")), TINY_CONFIGS["llama"], False, 3)),
             "eagle3": (deep_dir, save_eagle_head(
                 str(tmp_path_factory.mktemp("eagle3")), deep, True, 4)),
+            "eagle3_layers": (deep_dir, save_eagle_head(  # the layers named by its config
+                str(tmp_path_factory.mktemp("eagle3_layers")), deep, True, 6, [1, 5])),
             "eagle_accepting": (tiny_llama_dir, _accepting_head(
                 str(tmp_path_factory.mktemp("eagle_accepting"))))}
 
@@ -197,13 +206,13 @@ def eagle_llm(target_dir: str, head_dir: str, method: str = "eagle", **kwargs):
                     **kwargs)
 
 
-@pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle_accepting"])
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "eagle3_layers", "eagle_accepting"])
 def test_drafts_equal_the_reference_after_every_step(head, eagle_dirs):
     """Prompts prefilled in chunks, then decode with verification: after every step each
     running request's drafts are the reference's for its tokens so far (with the accepting
     head, also after steps that accepted some drafts)."""
     target_dir, head_dir = eagle_dirs[head]
-    method = head.removesuffix("_accepting")
+    method = head.split("_")[0]
     llm = eagle_llm(target_dir, head_dir, method, max_num_batched_tokens=16)
     engine, reference = llm.llm_engine, EagleReference(target_dir, head_dir, method == "eagle3")
     prompts = repetitive_prompts(30, 3) + [[5 + i for i in range(30)]]
@@ -279,6 +288,13 @@ def test_refusals(tiny_llama_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=tiny_llama_dir, speculative_config=eagle_spec(head),
                    **kwargs).create_engine_config()
+
+
+def test_head_reading_missing_layers_refused(tiny_llama_dir, tmp_path):
+    head = save_eagle_head(str(tmp_path / "head"), TINY_CONFIGS["llama"], True, 0, [1, 9])
+    with pytest.raises(ValueError, match=r"reads target layers \[1, 9\]; the target model "
+                                         "has 2"):
+        eagle_llm(tiny_llama_dir, head, "eagle3")
 
 
 def test_head_of_another_width_refused(tiny_llama_dir, tmp_path):

@@ -41,8 +41,14 @@ def read_eagle_args(model_dir: str, method: str, target: ModelArgs) -> EagleArgs
         raise ValueError(f"EAGLE head {model_dir!r} has vocab_size {cfg['vocab_size']}; the "
                          f"target model's is {target.vocab_size}.")
     eagle3 = method == "eagle3"
+    # vLLM's key for heads trained on other layers than the recipe's default three
+    aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    aux = tuple(aux) if aux else eagle3_aux_layers(target.num_layers)
+    if eagle3 and not all(0 <= i < target.num_layers for i in aux):
+        raise ValueError(f"EAGLE-3 head {model_dir!r} reads target layers {list(aux)}; the "
+                         f"target model has {target.num_layers}.")
     return EagleArgs(layer=layer, eagle3=eagle3, fc_bias=_has_tensor(model_dir, "fc.bias"),
-                     aux_layers=eagle3_aux_layers(target.num_layers) if eagle3 else (),
+                     aux_layers=aux if eagle3 else (),
                      draft_vocab_size=int(cfg.get("draft_vocab_size") or target.vocab_size)
                      if eagle3 else 0)
 

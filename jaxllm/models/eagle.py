@@ -47,7 +47,7 @@ def param_shapes(eagle: EagleArgs) -> dict:
     """The head's params with a shape tuple at every leaf (storage layout, [in, out])."""
     args, h = eagle.layer, eagle.layer.hidden_size
     layer = layer_shapes(args)
-    shapes = {"fc": ((3 if eagle.eagle3 else 2) * h, h), "layers": [layer]}
+    shapes = {"fc": ((len(eagle.aux_layers) if eagle.eagle3 else 2) * h, h), "layers": [layer]}
     if eagle.fc_bias:
         shapes["fc_bias"] = (h,)
     if eagle.eagle3:
