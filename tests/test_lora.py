@@ -240,8 +240,7 @@ def _pallas_kernels(interpret: bool):
     from functools import partial
 
     from pallas_kernels import lora as kernels
-    return (partial(kernels.lora_shrink, interpret=interpret),
-            partial(kernels.lora_expand, interpret=interpret))
+    return partial(kernels.lora_add, interpret=interpret)
 
 
 def test_the_gpu_path_adds_what_the_reference_adds_and_lowers_for_cuda(monkeypatch):
@@ -265,9 +264,9 @@ def test_the_gpu_path_adds_what_the_reference_adds_and_lowers_for_cuda(monkeypat
     lora = model_lora.TokenLoRA(stacks, slots)
     want = lora.add(base, x, "qkv")
     assert not np.allclose(want, base)  # the update is there
-    monkeypatch.setattr(model_lora, "_kernels", lambda: _pallas_kernels(True))
+    monkeypatch.setattr(model_lora, "_lora_add", lambda: _pallas_kernels(True))
     np.testing.assert_allclose(lora.add(base, x, "qkv"), want, rtol=2e-5, atol=2e-4)
-    monkeypatch.setattr(model_lora, "_kernels", lambda: _pallas_kernels(False))
+    monkeypatch.setattr(model_lora, "_lora_add", lambda: _pallas_kernels(False))
     spec = jax.ShapeDtypeStruct
     lowered = lower_for_h200(
         lambda base, x, a, b, s: model_lora.TokenLoRA({"qkv_a": a, "qkv_b": b}, s).add(

@@ -122,11 +122,11 @@ def write_slot(stacks: list[dict], slot: jax.Array, arrays: dict) -> list[dict]:
             for layer, layer_stacks in enumerate(stacks)]
 
 
-def _kernels():
-    """The Pallas kernels on a GPU; elsewhere their references (interpret mode is slow)."""
+def _lora_add():
+    """The Pallas kernels on a GPU; elsewhere their reference (interpret mode is slow)."""
     if jax.default_backend() == "gpu":
-        return lora_kernels.lora_shrink, lora_kernels.lora_expand
-    return lora_kernels.lora_shrink_reference, lora_kernels.lora_expand_reference
+        return lora_kernels.lora_add
+    return lora_kernels.lora_add_reference
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,6 @@ class TokenLoRA:
         """base [T, ..., out] (the projection of x) + x @ A[slot] @ B[slot] per token."""
         if f"{group}_a" not in self.stacks:
             return base
-        shrink, expand = _kernels()
         flat = base.reshape(base.shape[0], -1)
-        y = shrink(x, self.stacks[f"{group}_a"], self.slot_ids)
-        return expand(flat, y, self.stacks[f"{group}_b"], self.slot_ids).reshape(base.shape)
+        return _lora_add()(flat, x, self.stacks[f"{group}_a"], self.stacks[f"{group}_b"],
+                           self.slot_ids).reshape(base.shape)
