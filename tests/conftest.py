@@ -89,6 +89,21 @@ def save_tiny_checkpoint(kind: str, out_dir: str, tokenizer, seed: int = 0) -> s
     return save_random_checkpoint(TINY_CONFIGS[kind], out_dir, tokenizer, seed)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_engines_after_each_module():
+    """Engines move their start-up objects out of the garbage collector's reach
+    (jaxllm/engine/builder.py: gc.freeze), and jax's jit caches keep every engine's programs,
+    so without this each module's engines would live until the run ends."""
+    yield
+    import gc
+
+    import jax
+
+    gc.unfreeze()
+    gc.collect()
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()
