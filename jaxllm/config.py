@@ -198,9 +198,9 @@ class PoolerConfig:
 IMPLEMENTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM's methods that jaxllm refuses by name until they land (docs/design.md).
 NOT_IMPLEMENTED_METHODS = ("mtp", "medusa", "mlp_speculator", "suffix")
-# Speculation stops for a step whose running batch has at least this many requests. A
-# placeholder until the H200 measurement of benchmarks/spec_decode_gpu.py decides it (the batch
-# size where a k-token verification step costs more than the tokens it saves).
+# Speculation stops for a step whose running batch has at least this many requests: past it a
+# verification step costs more than typical acceptance saves (benchmarks/spec_decode_gpu.py
+# measures the cost per batch size; docs/design.md has the figures).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
