@@ -19,8 +19,10 @@ import os
 from collections import defaultdict
 
 
-def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+def read_trace(trace_dir: str, pattern: str = "*.trace.json.gz") -> tuple[str, list, dict]:
+    """The newest trace under trace_dir (`pattern`, or jax's Perfetto file): (its path, its
+    events, pid -> process name)."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", pattern), recursive=True)
                   + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                               recursive=True))[-1]
     with gzip.open(path) as f:
@@ -28,6 +30,11 @@ def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
     events = events["traceEvents"] if isinstance(events, dict) else events
     process = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return path, events, process
+
+
+def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
+    path, events, process = read_trace(trace_dir)
     per_process = defaultdict(lambda: defaultdict(float))  # process -> event name -> us
     for e in events:
         if e.get("ph") == "X":

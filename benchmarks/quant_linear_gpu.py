@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import glob
-import gzip
 import inspect
 import json
 import math
@@ -50,6 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxllm.models import quant  # noqa: E402
 from pallas_kernels import quant_matmul  # noqa: E402
 from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
+from profile_decode import read_trace  # noqa: E402
 
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
@@ -164,13 +163,7 @@ def trace_runs(programs: list[dict], args_of, trace_dir: str) -> None:
 def run_times(trace_dir: str) -> dict[tuple[int, int], dict]:
     """(program, run) -> {"wall_us", "gpu_us", "kernels"}: its annotation's duration and the GPU
     stream events (kernels, copies) whose midpoint falls inside it."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
-                            recursive=True))[-1]
-    with gzip.open(path) as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    process = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    _, events, process = read_trace(trace_dir, "perfetto_trace.json.gz")
     thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     windows, gpu = {}, []

@@ -243,6 +243,14 @@ def repetitive_prompts(seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
+def mixed_params(rng: random.Random, count: int) -> list[SamplingParams]:
+    """Greedy and sampled, with and without top-k and logprobs, of varied lengths: requests
+    that take every sampler program a bucket has."""
+    return [SamplingParams(temperature=rng.choice([0.0, 0.8]), top_k=rng.choice([0, 5]),
+                           logprobs=rng.choice([None, 2]), max_tokens=rng.randint(1, 30))
+            for _ in range(count)]
+
+
 def make_llm(model_dir: str, speculative: bool, **kwargs) -> LLM:
     defaults = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
                     num_gpu_blocks_override=64, block_size=8, compilation_cache_dir=None,

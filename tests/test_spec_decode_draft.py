@@ -10,15 +10,14 @@ import json
 import random
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import CompileCounter
 from jaxllm import SamplingParams
 from jaxllm.config import SpeculativeConfig
 from jaxllm.engine.args import EngineArgs
-from test_spec_decode import (GREEDY, assert_same_outputs, make_llm, repetitive_prompts,
-                              token_ids)
+from test_spec_decode import (GREEDY, assert_same_outputs, make_llm, mixed_params,
+                              repetitive_prompts, token_ids)
 
 K = 3
 
@@ -167,12 +166,8 @@ def test_aborts_and_no_compilation_after_warmup(tiny_llama_dir, tiny_draft_dir):
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
-        rng = random.Random(5)
-        prompts = repetitive_prompts(23, 6)
-        params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), top_k=rng.choice([0, 5]),
-                                 logprobs=rng.choice([None, 2]), max_tokens=rng.randint(1, 30))
-                  for _ in prompts]
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(repetitive_prompts(23, 6), mixed_params(random.Random(5), 6),
+                     use_tqdm=False)
         for i, prompt in enumerate(repetitive_prompts(24, 4)):
             engine.add_request(f"abort-{i}", prompt, SamplingParams(temperature=0.0,
                                                                     max_tokens=60))

@@ -18,7 +18,7 @@ from conftest import TINY_CONFIGS, CompileCounter, save_random_checkpoint
 from jaxllm import SamplingParams
 from jaxllm.engine.args import EngineArgs
 from jaxllm.models.eagle import eagle3_aux_layers
-from test_spec_decode import GREEDY, make_llm, repetitive_prompts, token_ids
+from test_spec_decode import GREEDY, make_llm, mixed_params, repetitive_prompts, token_ids
 
 K = 3
 DRAFT_VOCAB = 200  # EAGLE-3's draft vocabulary, a subset of the target's 384
@@ -267,12 +267,8 @@ def test_no_compilation_after_warmup(tiny_llama_dir, eagle_dirs):
     counter = CompileCounter()
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
-        rng = random.Random(6)
-        prompts = repetitive_prompts(32, 6)
-        params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), top_k=rng.choice([0, 5]),
-                                 logprobs=rng.choice([None, 2]), max_tokens=rng.randint(1, 30))
-                  for _ in prompts]
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(repetitive_prompts(32, 6), mixed_params(random.Random(6), 6),
+                     use_tqdm=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
     assert counter.count == 0, f"{counter.count} compilations after warm-up"

@@ -95,7 +95,7 @@ class InputProcessor:
 
     # -- checks ---------------------------------------------------------------------------------
     def check_vocab(self, token_ids: list[int], param: str = "prompt") -> None:
-        if len(token_ids) and 0 <= min_of(token_ids) and max_of(token_ids) < self.vocab_size:
+        if len(token_ids) and _in_range(token_ids, self.vocab_size):
             return
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
@@ -138,10 +138,9 @@ class InputProcessor:
                 f"tokens can hold. Please reduce the length of the input messages.", param)
 
 
-def min_of(token_ids) -> int:
-    """min() at C speed for a list and at numpy's for an array."""
-    return token_ids.min() if isinstance(token_ids, np.ndarray) else min(token_ids)
-
-
-def max_of(token_ids) -> int:
-    return token_ids.max() if isinstance(token_ids, np.ndarray) else max(token_ids)
+def _in_range(token_ids, vocab_size: int) -> bool:
+    """Every id in [0, vocab_size): min() and max() at C speed for a list, numpy's for an
+    array (a Python loop per token costs more than the step at embedding batch sizes)."""
+    ids = token_ids if isinstance(token_ids, np.ndarray) else None
+    low, high = (ids.min(), ids.max()) if ids is not None else (min(token_ids), max(token_ids))
+    return 0 <= low and high < vocab_size

@@ -62,12 +62,11 @@ class PoolingEngine(LoRAAdmin):
         if not isinstance(pooling_params, PoolingParams):
             raise ValueError("This model is a pooling model (--runner pooling): it embeds, "
                              "classifies and scores, and cannot generate text.")
-        self.input_processor.process(prompt_token_ids)  # the checks LLM and the server ran
+        # the checks LLM and the server ran; a list comes back copied (the caller's is not ours)
+        ids = self.input_processor.process(prompt_token_ids).token_ids
         params = self._resolve(pooling_params)
         if lora_request is not None:
             self.add_lora(lora_request)  # loaded now: a bad adapter is refused here
-        ids = (prompt_token_ids if isinstance(prompt_token_ids, np.ndarray)
-               else list(prompt_token_ids))  # the caller's list is not ours to keep
         self.scheduler.add_request(PoolingRequest(request_id, ids, params, lora_request))
         self.prompt_tokens_total += len(prompt_token_ids)
 

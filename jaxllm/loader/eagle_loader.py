@@ -47,8 +47,7 @@ def read_eagle_args(model_dir: str, method: str, target: ModelArgs) -> EagleArgs
     if eagle3 and not all(0 <= i < target.num_layers for i in aux):
         raise ValueError(f"EAGLE-3 head {model_dir!r} reads target layers {list(aux)}; the "
                          f"target model has {target.num_layers}.")
-    return EagleArgs(layer=layer, eagle3=eagle3, fc_bias=_has_tensor(model_dir, "fc.bias"),
-                     aux_layers=aux if eagle3 else (),
+    return EagleArgs(layer=layer, eagle3=eagle3, aux_layers=aux if eagle3 else (),
                      draft_vocab_size=int(cfg.get("draft_vocab_size") or target.vocab_size)
                      if eagle3 else 0)
 
@@ -56,6 +55,7 @@ def read_eagle_args(model_dir: str, method: str, target: ModelArgs) -> EagleArgs
 def load_eagle_head(model_dir: str, eagle: EagleArgs, dtype) -> dict:
     """The head's params in the compute layout (fused QKV and gate/up), on the default device."""
     expected = flatten_paths(param_shapes(eagle))
+    expected["fc_bias"] = (eagle.layer.hidden_size,)  # optional: EAGLE (v1) checkpoints have it
     flat = {}
     for name, host in _tensors(model_dir):
         mapped = _map_name(name)
@@ -68,7 +68,7 @@ def load_eagle_head(model_dir: str, eagle: EagleArgs, dtype) -> dict:
                              f"config expects {expected[path]} for {path}.")
         flat[path] = (jnp.asarray(np.asarray(host, np.int32)) if path == "d2t"
                       else place(host, dtype, transpose))
-    missing = sorted(set(expected) - set(flat))
+    missing = sorted(set(expected) - set(flat) - {"fc_bias"})
     if missing:
         raise ValueError(f"EAGLE head {model_dir!r} lacks weights: {missing[:8]}.")
     return fuse_params(unflatten_paths(flat, 1), eagle.layer.num_kv_heads)
@@ -89,10 +89,6 @@ def _map_name(name: str) -> tuple[str, bool] | None:
     if not name.startswith("layers.0."):
         raise ValueError(f"Unexpected weight {name!r} in the EAGLE head.")
     return map_hf_name("model." + name)
-
-
-def _has_tensor(model_dir: str, wanted: str) -> bool:
-    return any(name.removeprefix("model.") == wanted for name, _ in _tensors(model_dir))
 
 
 def _tensors(model_dir: str):

@@ -33,7 +33,6 @@ class EagleArgs:
     """The head's static shape: its decoder layer's args (num_layers 1) and its variant."""
     layer: ModelArgs
     eagle3: bool = False
-    fc_bias: bool = False
     aux_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose input streams are features
     draft_vocab_size: int = 0  # EAGLE-3: the head's own LM head's vocabulary
 
@@ -44,12 +43,11 @@ def eagle3_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 
 def param_shapes(eagle: EagleArgs) -> dict:
-    """The head's params with a shape tuple at every leaf (storage layout, [in, out])."""
+    """The head's params with a shape tuple at every leaf (storage layout, [in, out]); an fc
+    bias, when the checkpoint has one, is params["fc_bias"] [H] beside them."""
     args, h = eagle.layer, eagle.layer.hidden_size
     layer = layer_shapes(args)
     shapes = {"fc": ((len(eagle.aux_layers) if eagle.eagle3 else 2) * h, h), "layers": [layer]}
-    if eagle.fc_bias:
-        shapes["fc_bias"] = (h,)
     if eagle.eagle3:
         layer.update(wq=(2 * h, args.q_size), wk=(2 * h, args.kv_size), wv=(2 * h, args.kv_size),
                      hidden_norm=(h,))

@@ -114,7 +114,6 @@ class EagleDrafter:
         self.params = params
         self.kv_cache = kv_cache  # (k_cache, v_cache) of the head's one layer
         self.model = DraftModel(head, num_drafts, attn, block_size)
-        self.block_size = block_size
 
     def launch(self, target_params, step_inputs, chunks, first_rows: np.ndarray,
                num_blocks: np.ndarray, features, sampled_ids, num_accepted):
@@ -143,5 +142,5 @@ class EagleDrafter:
             if not c.samples:  # a prefill chunk: the prompt token after it
                 next_ids[last_known[i]] = c.next_token_id
         first_row[:num_seqs] = first_rows
-        num_positions[:num_seqs] = num_blocks * self.block_size
+        num_positions[:num_seqs] = num_blocks * self.model.block_size
         return EagleInputs(batch, next_ids, last_known, samples, first_row, num_positions)
