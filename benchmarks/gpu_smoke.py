@@ -58,12 +58,14 @@ class Case:
     speculative: bool = False  # n-gram speculation: its greedy tokens equal the plain ones'
     eagle: bool = False  # EAGLE speculation with a random head: greedy tokens as plain
     lora: bool = False  # the second prompt runs with a random rank-16 adapter (multi-LoRA)
+    draft: bool = False  # draft-model speculation, the model its own draft: tokens as plain
 
     @property
     def name(self) -> str:
         features = "".join([f" kv-{self.kv_cache_dtype}" * (self.kv_cache_dtype != "auto"),
                             f" q-{self.quantization}" * (self.quantization is not None),
                             " ngram" * self.speculative, " eagle" * self.eagle,
+                            " draft" * self.draft,
                             " lora" * self.lora])
         layout = f"tp{self.tp}" + f" dp{self.dp}" * (self.dp > 1) + f" pp{self.pp}" * (self.pp > 1)
         return (f"{self.model} {self.dtype} len{self.max_model_len} bs{self.block_size} "
@@ -95,6 +97,7 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", eagle=True) for seqs in (1, 8)]
+    cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", draft=True) for seqs in (1, 8)]
     # the LoRA kernels (pallas) against their references (xla)
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, lora=True)
               for backend in ("pallas", "xla")]
@@ -127,6 +130,8 @@ def cpu_matrix() -> list[Case]:
                  backend="xla", lora=True, **small),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
                  backend="xla", eagle=True, **small),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
+                 backend="xla", draft=True, **small),
             # the Mosaic kernel has no CPU lowering: a case that fails must not end the matrix
             Case(dtype="bfloat16", max_model_len=777, block_size=16, max_num_seqs=2,
                  backend="mosaic", expect_error=True, **small)]
@@ -168,9 +173,12 @@ def run_case(case: Case) -> dict:
 
 
 def _speculative(case: Case) -> dict | None:
-    """n-gram, or EAGLE with a random head of the case's model saved for this process."""
+    """n-gram; the case's model as its own draft model; or EAGLE with a random head of the
+    case's model saved for this process."""
     if case.speculative:
         return NGRAM
+    if case.draft:
+        return {"method": "draft_model", "model": case.model, "num_speculative_tokens": 3}
     if not case.eagle:
         return None
     import tempfile

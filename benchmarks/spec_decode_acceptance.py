@@ -6,8 +6,10 @@ against the same engine without speculation.
     JAX_PLATFORMS=cpu python benchmarks/spec_decode_acceptance.py [--max-tokens 128]
     python benchmarks/spec_decode_acceptance.py --model FILE.gguf --tpot     # on a GPU
 
---tpot adds batch-1 time per output token on each workload, each prompt alone, with and without
-speculation (k = 4), after a warm-up pass that compiles every shape the timed pass uses.
+--tpot adds batch-1 TPOT on each workload, as vLLM defines it (time from the first output token
+to the last, over the tokens after the first), each prompt alone, without speculation and with
+each k, after a warm-up pass that compiles every shape the timed pass uses; the figure is the
+workload's total over its prompts (the mean over output tokens).
 
 One speculating engine serves every k (its proposer's k is lowered; the runner verifies any
 number of drafts up to the configured 5).
@@ -65,14 +67,23 @@ def stats_delta(after: dict, before: dict) -> dict:
 
 
 def batch1_tpot_ms(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
-    """Wall time per output token, generating for each prompt alone (a warm-up pass first)."""
+    """ms per output token after each request's first, each prompt alone (a warm-up pass
+    first): summed over the workload's prompts."""
+    engine = llm.llm_engine
+    token_ids = [llm.input_processor.from_chat([{"role": "user", "content": p}], True).token_ids
+                 for p in prompts]
     for timed in (False, True):
-        start, tokens = time.perf_counter(), 0
-        for p in prompts:
-            out = llm.chat([[{"role": "user", "content": p}]], params, use_tqdm=False)
-            tokens += len(out[0].outputs[0].token_ids)
+        elapsed, tokens = 0.0, 0
+        for i, prompt in enumerate(token_ids):
+            engine.add_request(f"tpot-{timed}-{i}", prompt, params)
+            times, num_tokens = [], 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    times.append(time.perf_counter())
+                    num_tokens = len(out.outputs[0].token_ids)
+            elapsed, tokens = elapsed + times[-1] - times[0], tokens + num_tokens - 1
         if timed:
-            return (time.perf_counter() - start) * 1e3 / tokens
+            return elapsed * 1e3 / tokens
 
 
 def main() -> None:
@@ -82,9 +93,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    engine_args = dict(model=args.model, max_model_len=1024, max_num_batched_tokens=256, enforce_eager=True,
-                       compilation_cache_dir=None)
+    engine_args = dict(model=args.model, max_model_len=1024, max_num_batched_tokens=256,
+                       enforce_eager=True, compilation_cache_dir=None, dtype=args.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     plain = LLM(**engine_args)
     expected = {name: [o.outputs[0].token_ids for o in plain.chat(
@@ -104,19 +116,27 @@ def main() -> None:
             outputs = spec.chat([[{"role": "user", "content": p}] for p in prompts], params,
                                 use_tqdm=False)
             metrics = spec_decode_metrics(stats_delta(engine.get_stats(), before))
-            metrics["same_tokens_as_plain"] = (
-                [o.outputs[0].token_ids for o in outputs] == expected[name])
+            got = [o.outputs[0].token_ids for o in outputs]
+            metrics["same_tokens_as_plain"] = got == expected[name]
+            # per prompt: the tokens before the first that differs from plain decode's
+            metrics["tokens_as_plain"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b),
+                                               min(len(x), len(y)))
+                                          for x, y in zip(got, expected[name])]
             results[f"{name} k={k}"] = metrics
             print(f"{name:8s} k={k}: acceptance rate {metrics['acceptance_rate']:.1%}, mean "
                   f"acceptance length {metrics['mean_acceptance_length']:.2f}, same tokens as "
-                  f"without speculation: {metrics['same_tokens_as_plain']}", flush=True)
-    engine.proposer.k = 4
-    for name, prompts in tpot.items():
-        tpot[name]["ngram k=4"] = batch1_tpot_ms(spec, WORKLOADS[name], params)
-        results[f"{name} batch-1 ms per output token"] = tpot[name]
-        print(f"{name:8s} batch-1 ms per output token: plain {tpot[name]['plain']:.2f}, n-gram "
-              f"k=4 {tpot[name]['ngram k=4']:.2f} "
-              f"({tpot[name]['plain'] / tpot[name]['ngram k=4']:.2f}x)", flush=True)
+                  f"without speculation: {metrics['same_tokens_as_plain']} (per prompt, tokens "
+                  f"before the first difference: {metrics['tokens_as_plain']} of "
+                  f"{[len(e) for e in expected[name]]})", flush=True)
+    for name in tpot:
+        for k in KS:
+            engine.proposer.k = k
+            tpot[name][f"ngram k={k}"] = batch1_tpot_ms(spec, WORKLOADS[name], params)
+        results[f"{name} batch-1 TPOT ms"] = tpot[name]
+        print(f"{name:8s} batch-1 TPOT ms: plain {tpot[name]['plain']:.2f}, " + ", ".join(
+            f"n-gram k={k} {tpot[name][f'ngram k={k}']:.2f} "
+            f"({tpot[name]['plain'] / tpot[name][f'ngram k={k}']:.2f}x)" for k in KS),
+            flush=True)
     print(json.dumps(results))
 
 

@@ -144,32 +144,28 @@ class EngineArgs:
                              "(--enable-expert-parallel and data_parallel_size > 1) is not "
                              "supported yet.")
         spec = SpeculativeConfig.from_dict(self.speculative_config)
-        if spec.method in ("eagle", "eagle3"):
-            self._check_eagle(spec)
+        if spec.method != "ngram":
+            self._check_drafter(spec)
         if spec.method != "draft_model":
             return spec
         return replace(spec, draft_model_config=self._draft_model_config(spec, target))
 
-    def _check_eagle(self, spec: SpeculativeConfig) -> None:
-        """The head runs on one device beside the target (its KV under the target's block
-        tables); the head's checkpoint is read when the engine is built."""
+    def _check_drafter(self, spec: SpeculativeConfig) -> None:
+        """A drafter (EAGLE head, draft model) runs on one device beside the target (its KV
+        under the target's block tables); an EAGLE head's checkpoint is read when the engine is
+        built."""
         sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
         if max(sizes) > 1:
             raise ValueError(f"Speculative decoding with method {spec.method} is not supported "
                              "with tensor, pipeline or data parallelism (size > 1) yet (got "
                              f"{', '.join(map(str, sizes))}).")
-        if not os.path.isdir(spec.model):
+        if spec.method != "draft_model" and not os.path.isdir(spec.model):
             raise ValueError(f"The {spec.method} head {spec.model!r} is not a local directory "
                              "(an HF-format checkpoint: config.json and its weights).")
 
     def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
         """The draft model, loaded as the target (load_format, dtype, seed, max_model_len): read
         and checked before any weight is loaded."""
-        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
-            raise ValueError("Speculative decoding with a draft model (method draft_model) is not "
-                             "supported with tensor_parallel_size > 1 or data_parallel_size > 1 "
-                             f"yet (got {self.tensor_parallel_size} and "
-                             f"{self.data_parallel_size}).")
         path = resolve_model_path(spec.model, self.load_format)
         hf_config = read_hf_config(path, self.load_format)
         target_vocab, draft_vocab = target.hf_config.get("vocab_size"), hf_config.get("vocab_size")

@@ -15,7 +15,6 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine import compilation_cache
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.dp_engine import DPEngine
-from jaxllm.engine.draft_proposer import DraftModelProposer
 from jaxllm.engine.engine_core import EngineCore
 from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
 from jaxllm.engine.pooling_builder import build_pooling_engine
@@ -26,7 +25,7 @@ from jaxllm.sharding.mesh import make_mesh
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.spec_decode.proposer import Proposer
 from jaxllm.worker import kv_cache
-from jaxllm.worker.eagle_drafter import EagleDrafter
+from jaxllm.worker.drafter import Drafter, EagleDraft, ModelDraft
 from jaxllm.worker.lora_slots import make_lora_slots
 from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pipeline import FrontStage, Pipeline
@@ -58,25 +57,22 @@ def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
 
 def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> EngineCore:
     """TP (and EP within it) runs on `mesh`; a mesh with DP > 1 rows is DP attention: one
-    scheduler and KV pool per rank, one step. With a draft model both models are loaded before
-    the KV cache is sized: the draft's pool holds as many blocks as the target's."""
+    scheduler and KV pool per rank, one step. A drafter (EAGLE head, draft model) is loaded
+    before the KV cache is sized: its KV pages are counted in every block."""
     compilation_cache.enable(config.runner_config.compilation_cache_dir)
     mesh = mesh if mesh is not None else engine_mesh(config)
     dp_size = 1 if mesh is None else mesh.shape["data"]
     sharded = load_for_engine(config, mesh)
-    draft = _load_draft(config, log)
-    sharded.eagle = _load_eagle(config, sharded, log)
+    sharded.draft = _load_draft(config, sharded, log)
     num_blocks = config.cache_config.num_gpu_blocks_override
     if num_blocks is None:
-        block_bytes = (_block_bytes(config, sharded) + (_block_bytes(*draft) if draft else 0)
-                       + _eagle_block_bytes(config, sharded))
+        block_bytes = _block_bytes(config, sharded) + _draft_block_bytes(config, sharded)
         num_blocks = _measure_num_blocks(config, sharded, dp_size, block_bytes, mesh)
-    proposer = _make_proposer(config, draft, num_blocks, log)
-    return _assemble_core(config, sharded, dp_size, num_blocks, log, proposer)
+    return _assemble_core(config, sharded, dp_size, num_blocks, log, _make_proposer(config))
 
 
 def _assemble_core(config: EngineConfig, sharded: ShardedModel, dp_size: int, num_blocks: int,
-                   log, proposer: Proposer | None = None, detokenize: bool = True) -> EngineCore:
+                   log, proposer: Proposer | None = None) -> EngineCore:
     """The KV cache, runner and schedulers of a loaded model, warmed up."""
     cache = config.cache_config
     block_bytes = _block_bytes(config, sharded)
@@ -93,7 +89,7 @@ def _assemble_core(config: EngineConfig, sharded: ShardedModel, dp_size: int, nu
                             batch_queue_size=pp if pp > 1 else None)
                   for _ in range(dp_size)]
     loaded = sharded.loaded
-    core = EngineCore(config, runner, schedulers, loaded.tokenizer if detokenize else None,
+    core = EngineCore(config, runner, schedulers, loaded.tokenizer,
                       set(loaded.eos_token_ids), loaded.args.vocab_size, num_blocks, proposer)
     if not config.runner_config.enforce_eager:
         runner.warmup(progress=log)
@@ -104,74 +100,54 @@ def _assemble_core(config: EngineConfig, sharded: ShardedModel, dp_size: int, nu
     return core
 
 
-def _draft_engine_config(config: EngineConfig) -> EngineConfig:
-    """The draft's engine: the target's settings with the draft model, greedy proposals only
-    (no speculation of its own, no LoRA), scheduled synchronously (a round needs its tokens),
-    prefix caching on whatever the target's (each round re-proposes over the request's tokens;
-    the draft's cache is private, so caching changes no output)."""
-    return replace(config, model_config=config.speculative_config.draft_model_config,
-                   speculative_config=None, lora_config=None,
-                   cache_config=replace(config.cache_config, enable_prefix_caching=True),
-                   runner_config=replace(config.runner_config, async_scheduling=False))
-
-
-def _load_draft(config: EngineConfig, log) -> tuple[EngineConfig, ShardedModel] | None:
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    draft_config = _draft_engine_config(config)
-    log(f"Draft model for speculative decoding: {spec.model}")
-    return draft_config, load_for_engine(draft_config, None)
-
-
-def _load_eagle(config: EngineConfig, sharded: ShardedModel, log):
-    """(EagleArgs, params) of an EAGLE / EAGLE-3 head, or None; binds EAGLE-3's feature
+def _load_draft(config: EngineConfig, sharded: ShardedModel, log):
+    """(EagleDraft or ModelDraft, its params) for a drafter, or None; binds EAGLE-3's feature
     layers into the target's forward."""
     spec = config.speculative_config
-    if spec is None or spec.method not in ("eagle", "eagle3"):
+    if spec is None or spec.method == "ngram":
         return None
+    log(f"{spec.method} for speculative decoding: {spec.model}")
+    if spec.method == "draft_model":
+        draft = load_for_engine(replace(config, model_config=spec.draft_model_config), None)
+        return ModelDraft(draft.args), draft.loaded.params
     head = read_eagle_args(spec.model, spec.method, sharded.args)
-    log(f"{spec.method} head for speculative decoding: {spec.model}")
     params = load_eagle_head(spec.model, head, jax.tree.leaves(sharded.loaded.params)[0].dtype)
     if head.eagle3:
         sharded.model_fn = partial(sharded.model_fn, aux_layers=head.aux_layers)
-    return head, params
+    return EagleDraft(head), params
 
 
-def _eagle_block_bytes(config: EngineConfig, sharded: ShardedModel) -> int:
-    """The head's one layer of KV per block (in the model's dtype)."""
-    if sharded.eagle is None:
+def _draft_block_bytes(config: EngineConfig, sharded: ShardedModel) -> int:
+    """The drafter's KV per block (in its dtype)."""
+    if sharded.draft is None:
         return 0
-    head, params = sharded.eagle
-    return kv_cache.bytes_per_block(1, config.cache_config.block_size, head.layer.num_kv_heads,
-                                    head.layer.head_dim, params["fc"].dtype)
+    draft, params = sharded.draft
+    layers, num_kv_heads, head_dim = draft.kv_layout
+    return kv_cache.bytes_per_block(layers, config.cache_config.block_size, num_kv_heads,
+                                    head_dim, draft.dtype(params))
 
 
 def _make_drafter(config: EngineConfig, sharded: ShardedModel, num_blocks: int):
-    if sharded.eagle is None:
+    if sharded.draft is None:
         return None
-    head, params = sharded.eagle
+    draft, params = sharded.draft
+    layers, num_kv_heads, head_dim = draft.kv_layout
     block_size = config.cache_config.block_size
-    cache = kv_cache.allocate_kv_caches(1, num_blocks, block_size, head.layer.num_kv_heads,
-                                        head.layer.head_dim, params["fc"].dtype)[0]
+    cache = kv_cache.allocate_kv_caches(layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                        draft.dtype(params))
     attn, _ = attention_backend(config.runner_config.attention_backend)
-    return EagleDrafter(head, params, cache, config.speculative_config.num_speculative_tokens,
-                        attn, block_size)
+    return Drafter(draft, params, cache, config.speculative_config.num_speculative_tokens, attn,
+                   block_size)
 
 
-def _make_proposer(config: EngineConfig, draft: tuple[EngineConfig, ShardedModel] | None,
-                   num_blocks: int, log) -> Proposer | None:
-    """The host-side proposer (n-gram, draft model); None without one (EAGLE drafts inside
-    the runner)."""
+def _make_proposer(config: EngineConfig) -> Proposer | None:
+    """The host-side proposer (n-gram); None without one (a drafter drafts inside the
+    runner)."""
     spec = config.speculative_config
-    if spec is None or spec.method in ("eagle", "eagle3"):
+    if spec is None or spec.method != "ngram":
         return None
-    if draft is None:
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                             spec.prompt_lookup_max, config.model_config.max_model_len)
-    # The draft engine detokenises nothing: its tokens only become drafts.
-    core = _assemble_core(*draft, 1, num_blocks, log, detokenize=False)
-    return DraftModelProposer(core, spec.num_speculative_tokens)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                         spec.prompt_lookup_max, config.model_config.max_model_len)
 
 
 def _kv_cache_dtype(config: EngineConfig, sharded: ShardedModel):

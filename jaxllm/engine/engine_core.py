@@ -187,7 +187,7 @@ class EngineCore(LoRAAdmin):
 
     def _propose_drafts(self, updated, step_drafts: dict[str, list[int]] | None) -> None:
         """Drafts for the requests that got tokens, to verify in the next step (none while the
-        batch is too large for speculation to pay): the step's own (EAGLE drafts on device
+        batch is too large for speculation to pay): the step's own (a drafter's, on device
         after each step), else the proposer's."""
         if not self.scheduler.speculation_on():
             return

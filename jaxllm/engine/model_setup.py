@@ -31,7 +31,7 @@ class ShardedModel:
     # these are the stages before it (params placed, KV caches not yet allocated).
     pipeline: PipelinePlan | None = None
     front_stages: list = dataclasses.field(default_factory=list)  # [(params, model_fn)]
-    eagle: tuple | None = None  # (EagleArgs, params) of an EAGLE head (speculative decoding)
+    draft: tuple | None = None  # (EagleDraft or ModelDraft, params): speculative decoding's
 
     @property
     def kv_layers(self) -> list[int]:

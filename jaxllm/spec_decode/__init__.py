@@ -1,3 +1,3 @@
-"""Speculative decoding's draft proposers (host side; the draft model's, which runs an engine of
-its own, is jaxllm/engine/draft_proposer.py). The config is SpeculativeConfig in
+"""Speculative decoding's host-side draft proposer (n-gram; draft models and EAGLE heads draft on
+device: jaxllm/worker/drafter.py). The config is SpeculativeConfig in
 jaxllm/config.py; verification runs in the step (jaxllm/sample/rejection.py)."""

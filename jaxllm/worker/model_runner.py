@@ -37,7 +37,7 @@ from jaxllm.sample.sampler import SamplerStages
 from jaxllm.worker import step as step_fn
 from jaxllm.worker.batch import SeqChunk, build_step_batch
 from jaxllm.worker.draft_rows import DraftRowBuilder
-from jaxllm.worker.eagle_drafter import EagleDrafter
+from jaxllm.worker.drafter import Drafter
 from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.packing import pack
 from jaxllm.worker.pipeline import Pipeline
@@ -87,7 +87,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[LogprobEntry]]  # one per sampled token, for requests that ask
     # request id -> [(prompt position scored, entry)], only for requests that ask
     prompt_logprobs: dict[str, list[tuple[int, LogprobEntry]]]
-    # EAGLE: per request that sampled, the drafts to verify next (None: no drafter ran)
+    # With a drafter: per request that sampled, the drafts to verify next (None: none ran)
     draft_token_ids: dict[str, list[int]] | None = None
 
 
@@ -101,7 +101,7 @@ class LaunchedStep:
     sampled: sampler.SamplerOutput  # on device
     prompt_logprobs: object  # LogprobsTensors on device, or None
     num_accepted: object = None  # [S] accepted drafts on device (speculative decoding)
-    drafts: object = None  # [S, k] EAGLE's drafts on device
+    drafts: object = None  # [S, k] the drafter's drafts on device
 
 
 @dataclass
@@ -131,7 +131,7 @@ class ModelRunner:
                  dp_size: int = 1, lean_steps: bool | None = None, num_spec_tokens: int = 0,
                  max_spec_seqs: int = 0, pipeline: Pipeline | None = None,
                  lora_slots: LoRASlots | None = None,
-                 drafter: EagleDrafter | None = None) -> None:
+                 drafter: Drafter | None = None) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
@@ -152,8 +152,8 @@ class ModelRunner:
         lora_slots (LoRA enabled, one DP rank, one stage): each token reads its request's
         adapter slot; the stacks ride in params["lora"].
 
-        drafter (EAGLE): drafts on device after each step whose batch may speculate (fewer
-        than max_spec_seqs + 1 sequences), from the step's features."""
+        drafter (EAGLE, draft model): drafts on device after each step whose batch may
+        speculate (fewer than max_spec_seqs + 1 sequences)."""
         self.pipeline = pipeline
         self.lora = lora_slots
         self.params = params if lora_slots is None else lora_slots.with_stacks(params)
@@ -224,15 +224,16 @@ class ModelRunner:
 
     def _draft(self, inputs: StepInputs, out: StepOutput, chunks: list[ScheduledChunk],
                first_rows: np.ndarray):
-        """EAGLE's drafts after a step (on device), or None: no drafter, or a batch too large
-        to speculate (the scheduler grants no drafts then; the head's KV for this step's
-        positions is then missing, which costs acceptance, not correctness)."""
+        """The drafter's drafts after a step (on device), or None: no drafter, or a batch too
+        large to speculate (the scheduler grants no drafts then; the drafter's KV for this
+        step's positions is then missing, which costs acceptance, not correctness)."""
         if self.drafter is None or len(chunks) > self.max_spec_seqs:
             return None
         rows = np.fromiter((c.state.row for c in chunks), np.int32, len(chunks))
         return self.drafter.launch(
             self.params, inputs, chunks, first_rows, self.requests.block_tables.num_blocks[rows],
-            out.hidden if out.aux is None else out.aux, out.sampled.token_ids, out.num_accepted)
+            out.token_ids, out.hidden if out.aux is None else out.aux, out.sampled.token_ids,
+            out.num_accepted)
 
     def _stages_for(self, inputs: StepInputs) -> SamplerStages:
         if not self.lean_steps:

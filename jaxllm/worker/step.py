@@ -67,6 +67,7 @@ class StepOutput:
     hidden: jax.Array | None
     num_accepted: jax.Array | None = None  # [S] accepted drafts (with draft_rows)
     aux: jax.Array | None = None  # [T, 3H] EAGLE-3's features (forward's aux_layers)
+    token_ids: jax.Array | None = None  # [T] the step's input tokens, placeholders resolved
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,9 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
             lambda: chunked_logprobs(partial(model.logits, params), hidden,
                                      inputs.next_prompt_ids),
             lambda: empty_logprobs(hidden.shape[0]))
-        return StepOutput(sampled, prompt_lp, hidden, num_accepted, aux), new_state
-    return StepOutput(sampled, None, hidden, num_accepted, aux), new_state
+        return StepOutput(sampled, prompt_lp, hidden, num_accepted, aux,
+                          batch.token_ids), new_state
+    return StepOutput(sampled, None, hidden, num_accepted, aux, batch.token_ids), new_state
 
 
 @jax.tree_util.register_dataclass
