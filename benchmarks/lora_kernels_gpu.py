@@ -8,8 +8,8 @@ a 512-token prefill chunk) with slot ids drawn uniformly from [0, 17). Per T, mi
 call of the GPU kernels each variant runs, read from a jax.profiler trace (the sum of the kernel
 durations over chained calls, divided by the call count: wall-clock timings carry tens of
 microseconds of dispatch, which hides kernels of a few), each kernel's share kept too:
-- lora: lora_add, i.e. lora_shrink's kernel + lora_expand's summing its partial products (and the
-  XLA ops around them), the slot sort included (slot
+- lora: lora_add, i.e. lora_shrink + lora_expand (and the XLA ops around them, the sum of
+  shrink's partial products among them), the slot sort included (slot
   ids go through the chain, so each call sorts; in a step one sort serves every layer's calls:
   sort_us alone);
 - reference: lora_shrink_reference + lora_expand_reference (XLA, fp32, every adapter);

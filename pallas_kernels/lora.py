@@ -17,10 +17,8 @@ are read about once per step and unused adapters never; the item count has a sta
 (row tiles + S), items past the real ones exit at once. The sort depends only on slot_ids, so
 XLA's common-subexpression pass can share it among the calls of one step.
 - shrink: programs (item, K split). R is small and H long, so at decode a few tokens would leave
-  one program reading all of H alone; the reduction is split over H into fp32 partials that
-  lora_shrink's wrapper sums (deterministic, no atomics), or, in `lora_add` (what the engine
-  runs: the pair as one call), the expand kernel itself, so no reduction kernel runs between
-  the two (at decode every kernel of a layer costs about its launch).
+  one program reading all of H alone; the reduction is split over H into fp32 partials that the
+  wrapper sums (deterministic, no atomics).
 - expand: programs (item, N tile), one [block_m, R] x [R, block_n] product each.
 Any R works (no padding by the engine): tiles span R rounded up to a power of two, at least 16
 (Triton's smallest dot), with the extra lanes masked; a multiple of 16 wastes none. H and N need
@@ -151,10 +149,8 @@ def _check_shrink(x, a, slot_ids) -> None:
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_k", "num_splits", "num_warps",
                                              "interpret"))
-def _shrink_partials(x, a, slot_ids, *, block_m: int | None = None, block_k: int = 64,
-                     num_splits: int | None = None, num_warps: int = 4,
-                     interpret: bool = False):
-    """-> [splits, T, R] fp32: each H split's partial x @ a[slot]."""
+def _shrink(x, a, slot_ids, *, block_m: int | None = None, block_k: int = 64,
+            num_splits: int | None = None, num_warps: int = 4, interpret: bool = False):
     _check_shrink(x, a, slot_ids)
     num_tokens, hidden = x.shape
     num_slots, _, rank = a.shape
@@ -165,16 +161,13 @@ def _shrink_partials(x, a, slot_ids, *, block_m: int | None = None, block_k: int
     item_slot, item_tile, bounds, order = _sort_by_slot(slot_ids, num_slots, block_m)
     kernel = functools.partial(_shrink_kernel, block_m=block_m, block_k=block_k,
                                block_r=_rank_block(rank), k_per_split=k_per_split)
-    return pl.pallas_call(
+    partials = pl.pallas_call(
         kernel, grid=(item_slot.shape[0], num_splits),
         out_shape=jax.ShapeDtypeStruct((num_splits, num_tokens, rank), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=3),
         interpret=interpret, name="lora_shrink",
     )(item_slot, item_tile, bounds, order, x, a)
-
-
-def _shrink(x, a, slot_ids, **tiles):
-    return jnp.sum(_shrink_partials(x, a, slot_ids, **tiles), axis=0).astype(x.dtype)
+    return jnp.sum(partials, axis=0).astype(x.dtype)
 
 
 def lora_shrink(x, a, slot_ids, *, interpret=False) -> jax.Array:
@@ -185,9 +178,8 @@ def lora_shrink(x, a, slot_ids, *, interpret=False) -> jax.Array:
 
 
 def _expand_kernel(item_slot_ref, item_tile_ref, bounds_ref, order_ref, y_ref, b_ref, base_ref,
-                   out_ref, *, block_m, block_n, block_r, y_dtype):
-    """out_ref aliases base_ref [T, N]: the item's rows get base + y @ b[slot] for one N tile,
-    y the sum of y_ref [P, T, R]'s partials cast to y_dtype (as lora_shrink's output)."""
+                   out_ref, *, block_m, block_n, block_r):
+    """out_ref aliases base_ref [T, N]: the item's rows get base + y @ b[slot] for one N tile."""
     item, n_tile = pl.program_id(0), pl.program_id(1)
     slot = item_slot_ref[item]
     rank, n_dim = b_ref.shape[1], b_ref.shape[2]
@@ -200,15 +192,11 @@ def _expand_kernel(item_slot_ref, item_tile_ref, bounds_ref, order_ref, y_ref, b
         rank_ok = ranks < rank
         cols = n_tile * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [Bn]
         mask = in_slot[:, None] & (cols < n_dim)[None, :]  # [Bm, Bn]
-        ys = jnp.zeros((block_m, block_r), jnp.float32)
-        for part in range(y_ref.shape[0]):  # shrink's H splits, summed here, not by XLA
-            ys += pltriton.load(y_ref.at[part, tokens[:, None], ranks[None, :]],
-                                mask=in_slot[:, None] & rank_ok[None, :],
-                                other=0).astype(jnp.float32)  # [Bm, Br]
-        ys = ys.astype(y_dtype)
+        ys = pltriton.load(y_ref.at[tokens[:, None], ranks[None, :]],
+                           mask=in_slot[:, None] & rank_ok[None, :], other=0)  # [Bm, Br]
         w = pltriton.load(b_ref.at[slot, ranks[:, None], cols[None, :]],
                           mask=rank_ok[:, None] & (cols < n_dim)[None, :], other=0)  # [Br, Bn]
-        dtype = jnp.promote_types(y_dtype, b_ref.dtype)
+        dtype = jnp.promote_types(y_ref.dtype, b_ref.dtype)
         delta = pltriton.dot(ys.astype(dtype), w.astype(dtype), precision=_precision(dtype))
         base = pltriton.load(base_ref.at[tokens[:, None], cols[None, :]], mask=mask, other=0)
         pltriton.store(out_ref.at[tokens[:, None], cols[None, :]],
@@ -216,23 +204,16 @@ def _expand_kernel(item_slot_ref, item_tile_ref, bounds_ref, order_ref, y_ref, b
 
 
 def _check_expand(base, y, b, slot_ids) -> None:
-    if (base.ndim != 2 or y.ndim != 3 or b.ndim != 3 or y.shape[1] != base.shape[0]
-            or b.shape[1:] != (y.shape[2], base.shape[1]) or slot_ids.shape != base.shape[:1]):
-        raise ValueError(f"base {base.shape}, y {y.shape[1:]}, b {b.shape}, slot_ids "
+    if (base.ndim != 2 or y.ndim != 2 or b.ndim != 3 or y.shape[0] != base.shape[0]
+            or b.shape[1:] != (y.shape[1], base.shape[1]) or slot_ids.shape != base.shape[:1]):
+        raise ValueError(f"base {base.shape}, y {y.shape}, b {b.shape}, slot_ids "
                          f"{slot_ids.shape}: need base [T, N], y [T, R], b [S, R, N], "
                          f"slot_ids [T]")
 
 
-def _expand(base, y, b, slot_ids, **tiles):
-    """y [T, R]: lora_shrink's output."""
-    return _expand_partials(base, y[None], b, slot_ids, y_dtype=y.dtype, **tiles)
-
-
-@functools.partial(jax.jit, static_argnames=("y_dtype", "block_m", "block_n", "num_warps",
-                                             "interpret"))
-def _expand_partials(base, y, b, slot_ids, *, y_dtype, block_m: int | None = None,
-                     block_n: int = 128, num_warps: int | None = None, interpret: bool = False):
-    """y [P, T, R]: partial products summed, then cast to y_dtype, before the expand."""
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_warps", "interpret"))
+def _expand(base, y, b, slot_ids, *, block_m: int | None = None, block_n: int = 128,
+            num_warps: int | None = None, interpret: bool = False):
     _check_expand(base, y, b, slot_ids)
     num_tokens, n_dim = base.shape
     num_slots, rank, _ = b.shape
@@ -240,7 +221,7 @@ def _expand_partials(base, y, b, slot_ids, *, y_dtype, block_m: int | None = Non
     num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
     item_slot, item_tile, bounds, order = _sort_by_slot(slot_ids, num_slots, block_m)
     kernel = functools.partial(_expand_kernel, block_m=block_m, block_n=block_n,
-                               block_r=_rank_block(rank), y_dtype=jnp.dtype(y_dtype))
+                               block_r=_rank_block(rank))
     return pl.pallas_call(
         kernel, grid=(item_slot.shape[0], pl.cdiv(n_dim, block_n)),
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
@@ -258,11 +239,11 @@ def lora_expand(base, y, b, slot_ids, *, interpret=False) -> jax.Array:
 
 
 def lora_add(base, x, a, b, slot_ids, *, interpret=False) -> jax.Array:
-    """base [T, N] + x[t] @ a[slot] @ b[slot] per token: lora_expand(base, lora_shrink(x, a,
-    slot_ids), b, slot_ids) in two kernels, expand summing shrink's partial products itself
-    (no reduction between them: at decode each kernel a layer costs its launch)."""
-    return _expand_partials(base, _shrink_partials(x, a, slot_ids, interpret=interpret), b,
-                            slot_ids, y_dtype=x.dtype, interpret=interpret)
+    """base [T, N] + x[t] @ a[slot] @ b[slot] per token: the pair, shrink's partial products
+    summed by XLA between them (an expand summing them itself was slower on an H200: its
+    programs load every partial in turn)."""
+    return lora_expand(base, lora_shrink(x, a, slot_ids, interpret=interpret), b, slot_ids,
+                       interpret=interpret)
 
 
 def lora_add_reference(base, x, a, b, slot_ids) -> jax.Array:
