@@ -439,3 +439,20 @@ def test_server_score_rerank_and_errors(server, st_reference):
     assert completion.status_code == 400 and "pooling model" in completion.json()["error"]["message"]
     dims = httpx.post(server.url + "/v1/embeddings", json={"input": "hi", "dimensions": 8})
     assert dims.status_code == 400 and "matryoshka" in dims.json()["error"]["message"]
+
+
+def test_bert_gelu_is_the_exact_gelu():
+    """BERT's GELU (computed in fp32 by hand for speed) on fp16 inputs: jax's exact GELU of the
+    same values to fp16's precision (in the far negative tail, where 1 + erf cancels, to 1e-5);
+    the tanh form is jax's."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.models.bert import gelu
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(4096) * 4, jnp.float16)
+    want = jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(jnp.float16)
+    np.testing.assert_allclose(np.asarray(gelu(x, False), np.float32),
+                               np.asarray(want, np.float32), rtol=1e-3, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(gelu(x, True)),
+                                  np.asarray(jax.nn.gelu(x, approximate=True)))
