@@ -219,3 +219,27 @@ def test_engine_greedy_generation_matches_hf_gguf(default_model_dir, hf_gguf):
     first = outputs[0].outputs[0]
     assert first.text == hf_tok.decode(expected[0], skip_special_tokens=True)
     assert "Paris" in first.text
+
+
+def test_ngram_speculation_on_the_default_model_equals_hf_greedy(default_model_dir, hf_gguf):
+    """n-gram speculation (k = 4) on the default model's real weights: greedy tokens equal HF
+    transformers' greedy decoding of the GGUF, with drafts accepted along the way (a prompt whose
+    answer repeats it)."""
+    from jaxllm import LLM, SamplingParams
+
+    hf_tok, hf_model = hf_gguf
+    passage = "The cat sat on the mat. The dog sat on the log. The bird sat on the branch."
+    chats = CHATS[:1] + [[{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]]
+    prompts = [hf_tok(hf_tok.apply_chat_template(chat, add_generation_prompt=True,
+                                                 tokenize=False)).input_ids for chat in chats]
+    max_new_tokens = 24
+    expected = [hf_greedy_until_eos(hf_model, ids, max_new_tokens, hf_tok.eos_token_id)
+                for ids in prompts]
+    llm = LLM(default_model_dir, dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=64, enforce_eager=True, compilation_cache_dir=None,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] >= 8
