@@ -183,6 +183,7 @@ class Drafter:
         self.params = params
         self.kv_cache = kv_cache  # [(k_cache, v_cache)] per layer
         self.program = DraftProgram(draft, num_drafts, attn, block_size)
+        self._compiled: dict = {}  # packed-input layout -> the program compiled for it
 
     @property
     def reads_features(self) -> bool:
@@ -191,14 +192,33 @@ class Drafter:
     def launch(self, target_params, step_inputs, chunks, first_rows: np.ndarray,
                num_blocks: np.ndarray, token_ids, features, sampled_ids, num_accepted):
         """Dispatches the drafting program for a step (its StepInputs and chunks, each chunk's
-        first sampling row and block count; its input tokens and features on device); returns
-        the drafts [S, k] on device."""
+        first sampling row and block count; its input tokens and features on device), through
+        the executable the warm-up compiled for it (else jit); returns the drafts [S, k] on
+        device."""
         packed, layout = pack(self._inputs(step_inputs.batch, chunks, first_rows, num_blocks))
-        drafts, self.kv_cache = propose(
-            self.params, target_params, self.kv_cache, packed, token_ids,
-            features if self.reads_features else None, sampled_ids, num_accepted,
-            program=self.program, layout=layout)
+        args = self._args(target_params, packed, token_ids, features, sampled_ids, num_accepted)
+        compiled = self._compiled.get(layout)
+        if compiled is not None:
+            drafts, self.kv_cache = compiled(*args)
+        else:
+            drafts, self.kv_cache = propose(*args, program=self.program, layout=layout)
         return drafts
+
+    def lower(self, target_params, step_inputs, token_ids, features, sampled_ids,
+              num_accepted):
+        """(layout, the drafting program of a step's bucket lowered): the warm-up compiles
+        these in its thread pool, as the steps'."""
+        empty = np.zeros(0, np.int32)
+        packed, layout = pack(self._inputs(step_inputs.batch, [], empty, empty))
+        args = self._args(target_params, packed, token_ids, features, sampled_ids, num_accepted)
+        return layout, propose.lower(*args, program=self.program, layout=layout)
+
+    def add_compiled(self, layout: PackLayout, compiled) -> None:
+        self._compiled[layout] = compiled
+
+    def _args(self, target_params, packed, token_ids, features, sampled_ids, num_accepted):
+        return (self.params, target_params, self.kv_cache, packed, token_ids,
+                features if self.reads_features else None, sampled_ids, num_accepted)
 
     def _inputs(self, batch: StepBatch, chunks, first_rows: np.ndarray,
                 num_blocks: np.ndarray) -> DraftInputs:

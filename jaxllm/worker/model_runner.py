@@ -232,8 +232,14 @@ class ModelRunner:
         rows = np.fromiter((c.state.row for c in chunks), np.int32, len(chunks))
         return self.drafter.launch(
             self.params, inputs, chunks, first_rows, self.requests.block_tables.num_blocks[rows],
-            out.token_ids, out.hidden if out.aux is None else out.aux, out.sampled.token_ids,
-            out.num_accepted)
+            *self._draft_step_outputs(out))
+
+    @staticmethod
+    def _draft_step_outputs(out: StepOutput) -> tuple:
+        """What the drafter reads of a step: its input tokens, features, sampled tokens and
+        accepted counts."""
+        return (out.token_ids, out.hidden if out.aux is None else out.aux, out.sampled.token_ids,
+                out.num_accepted)
 
     def _stages_for(self, inputs: StepInputs) -> SamplerStages:
         if not self.lean_steps:
@@ -495,17 +501,25 @@ class ModelRunner:
                 progress(f"warm-up: compiled {n}/{len(programs)} ({num_tokens_padded} tokens, "
                          f"{stages}), {time.perf_counter() - start:.1f}s")
             # Each bucket once; the prompt-logprobs programs compile (through jit, on the
-            # steps' own hidden states) in the pool while the next steps run.
-            prompt_programs = []
+            # steps' own hidden states) and the drafting programs (ahead of time, traced here)
+            # in the pool while the next steps run.
+            prompt_programs, draft_programs = [], {}
             for num_tokens_padded, stages in programs:
                 inputs = self._padding_inputs(num_tokens_padded)
                 out = self._run_step(inputs, stages)
-                jax.block_until_ready((out.sampled, self._draft(inputs, out, [], np.zeros(0))))
+                jax.block_until_ready(out.sampled)
+                if self.drafter is not None:
+                    layout, lowered = self.drafter.lower(self.params, inputs,
+                                                         *self._draft_step_outputs(out))
+                    if layout not in draft_programs:
+                        draft_programs[layout] = pool.submit(lowered.compile)
                 if stages == SamplerStages.ALL:
                     prompt_programs.append(pool.submit(
                         partial(step_fn.prompt_logprobs, model=self.model), self.params,
                         out.hidden, np.zeros(num_tokens_padded, np.int32)))
             jax.block_until_ready([future.result() for future in prompt_programs])
+            for layout, future in draft_programs.items():
+                self.drafter.add_compiled(layout, future.result())
         self._run_history([], [], [], [])  # the prefix-hit penalty program, compiled once
         if self.lora is not None:
             self.lora.warmup()
