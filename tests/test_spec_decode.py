@@ -269,6 +269,29 @@ def assert_same_outputs(with_spec, without) -> None:
                                    b.outputs[0].cumulative_logprob, rtol=1e-4)
 
 
+def drafts_checked_after_every_step(engine, prompts: list[list[int]], reference_drafts,
+                                    k: int) -> tuple[int, int]:
+    """Two rounds of the prompts, greedy (the second round hits the prefix cache): after every
+    step each running request's drafts equal reference_drafts(its tokens, len(drafts)).
+    -> (drafts checked, of them k long)."""
+    checked = full = 0
+    for round_ in range(2):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{round_}-{i}", prompt, SamplingParams(
+                temperature=0.0, max_tokens=12, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+            for request in list(engine.scheduler.running):
+                drafts = request.spec_token_ids
+                if drafts:
+                    expected = reference_drafts(request.all_token_ids, len(drafts))
+                    assert drafts == expected, (request.request_id, request.num_tokens)
+                    checked += 1
+                    full += len(drafts) == k
+    assert engine.get_stats()["prefix_cache_hits_total"] > 0
+    return checked, full
+
+
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 

@@ -16,8 +16,8 @@ from conftest import CompileCounter
 from jaxllm import SamplingParams
 from jaxllm.config import SpeculativeConfig
 from jaxllm.engine.args import EngineArgs
-from test_spec_decode import (GREEDY, assert_same_outputs, make_llm, mixed_params,
-                              repetitive_prompts, token_ids)
+from test_spec_decode import (GREEDY, assert_same_outputs, drafts_checked_after_every_step,
+                              make_llm, mixed_params, repetitive_prompts, token_ids)
 
 K = 3
 
@@ -197,19 +197,7 @@ def test_drafts_equal_the_draft_models_greedy_continuation(tiny_llama_dir, tiny_
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_draft_dir, torch_dtype="float32")
     llm = spec_llm(tiny_llama_dir, tiny_draft_dir, max_num_batched_tokens=16)
-    engine, checked = llm.llm_engine, 0
     prompts = repetitive_prompts(25, 3) + [[5 + i for i in range(30)]]
-    for round_ in range(2):  # the second round's prompts hit the prefix cache
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{round_}-{i}", prompt, SamplingParams(
-                temperature=0.0, max_tokens=12, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-            for request in list(engine.scheduler.running):
-                drafts = request.spec_token_ids
-                if drafts:
-                    expected = _reference_drafts(reference, request.all_token_ids, len(drafts))
-                    assert drafts == expected, (request.request_id, request.num_tokens)
-                    checked += 1
+    checked, _ = drafts_checked_after_every_step(
+        llm.llm_engine, prompts, lambda tokens, n: _reference_drafts(reference, tokens, n), K)
     assert checked >= 40, checked
-    assert engine.get_stats()["prefix_cache_hits_total"] > 0
