@@ -141,6 +141,6 @@ class InputProcessor:
 def _in_range(token_ids, vocab_size: int) -> bool:
     """Every id in [0, vocab_size): min() and max() at C speed for a list, numpy's for an
     array (a Python loop per token costs more than the step at embedding batch sizes)."""
-    ids = token_ids if isinstance(token_ids, np.ndarray) else None
-    low, high = (ids.min(), ids.max()) if ids is not None else (min(token_ids), max(token_ids))
-    return 0 <= low and high < vocab_size
+    if isinstance(token_ids, np.ndarray):
+        return 0 <= token_ids.min() and token_ids.max() < vocab_size
+    return 0 <= min(token_ids) and max(token_ids) < vocab_size

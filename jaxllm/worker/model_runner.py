@@ -501,18 +501,17 @@ class ModelRunner:
                 progress(f"warm-up: compiled {n}/{len(programs)} ({num_tokens_padded} tokens, "
                          f"{stages}), {time.perf_counter() - start:.1f}s")
             # Each bucket once; the prompt-logprobs programs compile (through jit, on the
-            # steps' own hidden states) and the drafting programs (ahead of time, traced here)
-            # in the pool while the next steps run.
+            # steps' own hidden states) and the drafting programs (ahead of time, traced here:
+            # one per bucket, whatever its sampler stages) in the pool while the next steps run.
             prompt_programs, draft_programs = [], {}
             for num_tokens_padded, stages in programs:
                 inputs = self._padding_inputs(num_tokens_padded)
                 out = self._run_step(inputs, stages)
                 jax.block_until_ready(out.sampled)
-                if self.drafter is not None:
+                if self.drafter is not None and stages == self.programs[0]:
                     layout, lowered = self.drafter.lower(self.params, inputs,
                                                          *self._draft_step_outputs(out))
-                    if layout not in draft_programs:
-                        draft_programs[layout] = pool.submit(lowered.compile)
+                    draft_programs[layout] = pool.submit(lowered.compile)
                 if stages == SamplerStages.ALL:
                     prompt_programs.append(pool.submit(
                         partial(step_fn.prompt_logprobs, model=self.model), self.params,
