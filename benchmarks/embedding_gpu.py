@@ -1,12 +1,16 @@
 """Embedding throughput and latency of jaxllm's pooling runner against torch, in one run.
 
 Models: all-MiniLM-L6-v2 (fp16, real weights) and a BERT-base shape (dummy weights). For each
-sequence length (32/128/512 tokens) it embeds `--num-batches` batches of `--batch` sequences of
-exactly that many token ids, through LLM.embed() (jaxllm) and through the peer on torch:
-sentence-transformers' own modules for MiniLM where the package is installed, else (and for the
-BERT-base shape) transformers' AutoModel (SDPA attention) + mean pooling + L2 normalisation,
-which is what sentence-transformers computes. Both get token ids (no tokenisation timed). Then
-the latency of one short request (8 tokens), median of --latency-runs.
+sequence length (32/128/512 tokens) it embeds `--num-batches` x `--batch` sequences of exactly
+that many token ids, as a user embedding a corpus would: jaxllm gets the whole list in one
+LLM.embed() call (the engine runs it in steps of --batch rows, launching each before it
+finishes the previous one); the peer on torch embeds it --batch rows at a time, each batch's
+embeddings brought to the host as sentence-transformers' encode(batch_size=...) does. The peer
+is sentence-transformers' own modules for MiniLM where the package is installed, else (and for
+the BERT-base shape) transformers' AutoModel (SDPA attention) + mean pooling + L2
+normalisation, which is what sentence-transformers computes. Both get token ids (no
+tokenisation timed). Then the latency of one short request (8 tokens), median of
+--latency-runs.
 
     python benchmarks/embedding_gpu.py --model-dir DIR --out OUT      # one H200
     python benchmarks/embedding_gpu.py --cpu --out /tmp/emb           # the logic, small, on CPU
@@ -81,9 +85,9 @@ def agreement(llm, peer, ids: list[list[int]]) -> float:
 
 def jaxllm_throughput(llm, batches: list) -> float:
     llm.embed(batches[0], use_tqdm=False)  # compiles this shape
+    prompts = [ids for batch in batches for ids in batch]
     start = time.perf_counter()
-    for prompts in batches:
-        llm.embed(prompts, use_tqdm=False)
+    llm.embed(prompts, use_tqdm=False)
     return time.perf_counter() - start
 
 
@@ -167,7 +171,7 @@ def bench_model(name: str, model_dir: str, dummy: bool, peer: TorchPeer, args, e
         num_seqs = args.batch * args.num_batches
         ours, theirs = jaxllm_throughput(llm, batches), peer.throughput(batches)
         if args.profile:
-            profile_batch(llm, batches[0], os.path.join(args.out, f"trace_{name}_{length}"), emit)
+            profile_run(llm, batches, os.path.join(args.out, f"trace_{name}_{length}"), emit)
         emit(dict(model=name, metric="throughput", tokens=length, batch=args.batch,
                   jaxllm_seqs_per_s=num_seqs / ours, jaxllm_tokens_per_s=num_seqs * length / ours,
                   peer_seqs_per_s=num_seqs / theirs, peer_tokens_per_s=num_seqs * length / theirs,
@@ -181,18 +185,18 @@ def bench_model(name: str, model_dir: str, dummy: bool, peer: TorchPeer, args, e
     del llm
 
 
-def profile_batch(llm, prompts: list[list[int]], trace_dir: str, emit) -> None:
-    """One batch under jax.profiler: its wall time and the GPU kernels' time (summed)."""
+def profile_run(llm, batches: list, trace_dir: str, emit) -> None:
+    """The timed run under jax.profiler: wall time and GPU kernel time (summed), per batch."""
     import jax
 
     from profile_decode import kernel_summary
     start = time.perf_counter()
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        llm.embed(prompts, use_tqdm=False)
-    wall = time.perf_counter() - start
-    summary = kernel_summary(trace_dir, 1, top=10_000)
+        llm.embed([ids for batch in batches for ids in batch], use_tqdm=False)
+    wall = (time.perf_counter() - start) / len(batches)
+    summary = kernel_summary(trace_dir, len(batches), top=10_000)
     gpu = {k: v for k, v in summary.items() if "GPU" in k}
-    emit(dict(metric="profile", trace=trace_dir, wall_ms=wall * 1e3,
+    emit(dict(metric="profile", trace=trace_dir, wall_ms_per_batch=wall * 1e3,
               gpu_kernel_ms={k: round(sum(us for _, us in v) / 1e3, 3) for k, v in gpu.items()},
               top={k: v[:12] for k, v in gpu.items()}))
 
@@ -234,7 +238,7 @@ def main() -> None:
     parser.add_argument("--latency-runs", type=int, default=50)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--profile", action="store_true",
-                        help="also trace one batch per length (kernel times)")
+                        help="also trace the run once per length (kernel times per batch)")
     parser.add_argument("--attention-backend", default="auto",
                         help="auto: cuDNN's fused attention on a GPU; xla: XLA's")
     args = parser.parse_args()

@@ -64,19 +64,20 @@ class PoolingScheduler:
     def schedule(self, held_loras: set[int] = frozenset()) -> list[PoolingRequest]:
         """The next batch, oldest first; each request leaves the queue (it finishes in the
         step that computes it). held_loras: the adapter ids of the step in flight."""
-        batch, longest = [], 0
+        batch, longest, most_rows = [], 0, 0
         loras = set(held_loras) - {0}
         for request in self.waiting.values():
             lora = request.lora_int_id
             if lora and lora not in loras and len(loras) >= (self.max_loras or 0):
                 continue
-            length = bucket(max(longest, len(request.prompt_token_ids)), self.lengths)
-            if len(batch) + 1 > self.shapes[length][-1]:
+            length = len(request.prompt_token_ids)
+            rows = most_rows if length <= longest else self.shapes[bucket(length, self.lengths)][-1]
+            if len(batch) >= rows:
                 break
             batch.append(request)
             if lora:
                 loras.add(lora)
-            longest = max(longest, len(request.prompt_token_ids))
+            longest, most_rows = max(longest, length), rows
         for request in batch:
             del self.waiting[request.request_id]
         return batch

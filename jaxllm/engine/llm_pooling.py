@@ -100,13 +100,6 @@ class PoolingAPI:
     def _run_pooling(self, token_ids: list[list[int]], params: list[PoolingParams],
                      use_tqdm: bool, lora_requests: list[LoRARequest | None]
                      ) -> list[PoolingRequestOutput]:
-        request_ids = []
-        try:
-            for ids, p, lora in zip(token_ids, params, lora_requests, strict=True):
-                request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, ids, p, lora_request=lora)
-                request_ids.append(request_id)
-        except Exception:
-            self.llm_engine.abort_request(request_ids)
-            raise
+        request_ids = [str(next(self._request_counter)) for _ in token_ids]
+        self.llm_engine.add_requests(request_ids, token_ids, params, lora_requests)
         return self._run_engine(request_ids, use_tqdm)

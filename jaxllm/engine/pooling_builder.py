@@ -61,8 +61,6 @@ def _encoder(config: EngineConfig, classify: bool):
     dtype = resolve_dtype(model.dtype)
     params = (dummy_encoder(args, dtype, model.seed) if config.load_config.load_format == "dummy"
               else load_encoder(model.model, args, dtype))
-    params = fuse_params(params, args.num_heads, free_inputs=True)
-
     implementation = _attention_implementation(config, dtype)
 
     def hidden_fn(params, token_ids, token_type_ids, lengths, lora_slots):

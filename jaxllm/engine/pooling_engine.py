@@ -59,16 +59,39 @@ class PoolingEngine(LoRAAdmin):
                     cache_salt: str | None = None, lora_request=None) -> None:
         """EngineCore's interface; cache_salt changes nothing here: a pooling request keeps no
         KV that another could share."""
-        if not isinstance(pooling_params, PoolingParams):
+        self.add_requests([request_id], [prompt_token_ids], [pooling_params], [lora_request])
+
+    def add_requests(self, request_ids: list[str], prompts: list, params: list[PoolingParams],
+                     lora_requests: list) -> None:
+        """Many requests at once (LLM's batches): every prompt's ids checked in one numpy pass
+        (per-request checks cost more host time than the GPU's forward at short prompts); a
+        bad prompt is refused with the per-request check's error, and then none is added."""
+        if not all(isinstance(p, PoolingParams) for p in params):
             raise ValueError("This model is a pooling model (--runner pooling): it embeds, "
                              "classifies and scores, and cannot generate text.")
-        # the checks LLM and the server ran; a list comes back copied (the caller's is not ours)
-        ids = self.input_processor.process(prompt_token_ids).token_ids
-        params = self._resolve(pooling_params)
-        if lora_request is not None:
+        ids = [p if isinstance(p, np.ndarray) else np.asarray(list(p), np.int64) for p in prompts]
+        self._check_token_ids(ids)
+        resolved = [self._resolve(p) for p in params]
+        for lora_request in {id(r): r for r in lora_requests if r is not None}.values():
             self.add_lora(lora_request)  # loaded now: a bad adapter is refused here
-        self.scheduler.add_request(PoolingRequest(request_id, ids, params, lora_request))
-        self.prompt_tokens_total += len(prompt_token_ids)
+        added = []
+        try:
+            for request_id, prompt_ids, p, lora_request in zip(request_ids, ids, resolved,
+                                                              lora_requests, strict=True):
+                self.scheduler.add_request(PoolingRequest(request_id, prompt_ids, p, lora_request))
+                added.append(request_id)
+        except Exception:
+            self.scheduler.abort(added)
+            raise
+        self.prompt_tokens_total += sum(map(len, ids))
+
+    def _check_token_ids(self, ids: list[np.ndarray]) -> None:
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.concatenate(ids) if ids else lengths
+        if ((lengths == 0) | (lengths > self.max_model_len)).any() or (
+                flat.size and (flat.min() < 0 or flat.max() >= self.input_processor.vocab_size)):
+            for prompt_ids in ids:  # the first bad prompt's own error
+                self.input_processor.process(prompt_ids)
 
     def _resolve(self, params: PoolingParams) -> PoolingParams:
         """The request's params with the model's defaults filled in, checked against the model

@@ -2,7 +2,8 @@
 
 Absolute learned positions, token types, post-LayerNorm blocks, GELU MLP, bidirectional
 attention within each row (models/padded_attention.py). Params pytree (HF's matrices as
-[in, out]; `fuse_params` then makes each layer's wq/wk/wv one wqkv [H, heads, 3, D]):
+[in, out]; q, k and v stay three matrices: three GEMMs write the three arrays cuDNN's attention
+reads, where slicing them out of one fused output cost a copy of each):
   word_embed [V, H], position_embed [P, H], type_embed [types, H], embed_norm_w/_b [H],
   layers: [{wq, bq, wk, bk, wv, bv, wo, bo, attn_norm_w/_b, w_in, b_in, w_out, b_out,
             mlp_norm_w/_b}]
@@ -10,7 +11,8 @@ and the classifier head of a *ForSequenceClassification model (models/pooler.py)
   head_dense_w [H, H], head_dense_b [H] (BERT's pooler, RoBERTa's classifier.dense),
   classifier_w [H, labels], classifier_b [labels].
 With LoRA, params["lora"] holds every layer's adapter slots (models/lora.py) and each row names
-its slot: the updates add onto the fused q/k/v, the attention output and both MLP projections.
+its slot: the updates add onto q/k/v (one group, in HF's column order), the attention output and
+both MLP projections.
 """
 
 from __future__ import annotations
@@ -126,10 +128,11 @@ def _layer(layer: dict, x: jax.Array, lengths: jax.Array, args: BertArgs,
         flat = lambda a: a.reshape(num_seqs * max_len, *a.shape[2:])  # noqa: E731
         return lora.add(flat(base), flat(inputs), group).reshape(base.shape)
 
-    qkv = jnp.einsum("slh,hncd->slncd", x, layer["wqkv"]) + layer["bqkv"]  # [S, L, heads, 3, D]
-    qkv = adapted(qkv, x, "qkv")
-    attn = padded_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], lengths,
-                            causal=False, sm_scale=args.head_dim ** -0.5,
+    q, k, v = ((x @ layer[f"w{name}"] + layer[f"b{name}"]).reshape(
+        num_seqs, max_len, args.num_heads, args.head_dim) for name in "qkv")  # [S, L, heads, D]
+    if lora is not None:  # the group's columns: all of q, then k, then v
+        q, k, v = jnp.unstack(adapted(jnp.stack([q, k, v], axis=2), x, "qkv"), axis=2)
+    attn = padded_attention(q, k, v, lengths, causal=False, sm_scale=args.head_dim ** -0.5,
                             implementation=implementation).reshape(num_seqs, max_len, -1)
     attn = adapted(jnp.einsum("slo,oh->slh", attn, layer["wo"]) + layer["bo"], attn, "o")
     x = layer_norm(x + attn, layer["attn_norm_w"], layer["attn_norm_b"], args.layer_norm_eps)

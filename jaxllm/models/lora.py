@@ -9,7 +9,8 @@ zero: tokens of base-model requests add nothing. The groups follow the fused com
 update adds straight onto the fused projection's output; gate/up likewise onto w_gate_up's.
 A model family's targets and groups are its `LoRALayout` (decoders: HF's q/k/v/o/gate/up/down
 projections; BERT-family encoders: query/key/value, the attention output, intermediate and
-output dense layers, whose fused wqkv is [H, heads, 3, D]: G = 1).
+output dense layers; encoders keep q, k and v apart, so their q/k/v group's B keeps HF's column
+order: all of q, then k, then v).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class LoRALayout:
     """Where a model family's adapters go."""
     shapes: dict[str, tuple[int, int]]  # target -> (in, out): HF's Linear(in, out)
     groups: dict[str, tuple[str, ...]]  # group -> its targets in output order, every layer
-    heads: tuple[int, int, int, int]  # (q size, kv size, kv heads, head dim) of the q/k/v group
+    # (q size, kv size, kv heads, head dim) of a fused wqkv's q/k/v group; None: HF's order
+    heads: tuple[int, int, int, int] | None
 
 
 def layout_of(args) -> LoRALayout:
@@ -52,7 +54,7 @@ def layout_of(args) -> LoRALayout:
     h, i = args.hidden_size, args.intermediate_size
     shapes = {"query": (h, h), "key": (h, h), "value": (h, h), "attn_out": (h, h),
               "intermediate": (h, i), "output": (i, h)}
-    return LoRALayout(shapes, ENCODER_GROUPS, (h, h, args.num_heads, args.head_dim))
+    return LoRALayout(shapes, ENCODER_GROUPS, None)
 
 
 def module_shapes(args) -> dict[str, tuple[int, int]]:
@@ -99,7 +101,7 @@ def pack_slot(adapter_layers, args, rank: int, dtype=np.float32) -> dict[str, np
                     a[:, k * rank:k * rank + r] = lora_a
                     b[k * rank:k * rank + r, column:column + width] = lora_b
                 column += width
-            if group == "qkv":
+            if group == "qkv" and layout.heads is not None:
                 b[:] = _to_fused_heads(b, *layout.heads)
     return packed
 
