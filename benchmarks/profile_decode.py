@@ -45,9 +45,11 @@ def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
         for name, by_name in per_process.items()}}
 
 
-def profile_workload(engine, workload: str, windows: list[int], num_steps: int, out: str) -> dict:
+def profile_workload(engine, workload: str, windows: list[int], num_steps: int, out: str,
+                     loras=()) -> dict:
     """Runs the workload through the engine's step loop, tracing num_steps steps at each window
-    start; returns per window the wall ms per step, the running sequences and the kernel sums."""
+    start; returns per window the wall ms per step, the running sequences and the kernel sums.
+    loras: LoRA requests the prompts take in turn (none: the base model)."""
     import time
 
     import jax
@@ -59,8 +61,9 @@ def profile_workload(engine, workload: str, windows: list[int], num_steps: int, 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     requests = random_requests(num_prompts, input_len, output_len, engine.vocab_size, seed=0)
     ids = [f"profile-{i}" for i in range(num_prompts)]
-    for request_id, r in zip(ids, requests):
-        engine.add_request(request_id, r.prompt, params)
+    for i, (request_id, r) in enumerate(zip(ids, requests)):
+        engine.add_request(request_id, r.prompt, params,
+                           lora_request=loras[i % len(loras)] if loras else None)
     results, step = {}, 0
     try:
         for start in sorted(windows):
@@ -85,15 +88,15 @@ def profile_workload(engine, workload: str, windows: list[int], num_steps: int, 
     return results
 
 
-def _random_adapter(model: str, rank: int, out: str):
-    """A random PEFT adapter on all seven projections, in a folder beside the results."""
+def _random_adapters(model: str, rank: int, count: int, out: str) -> list:
+    """Random PEFT adapters on all seven projections, in folders beside the results."""
     from jaxllm import LoRARequest
     from jaxllm.bench import roofline
     from lora_gpu import save_dummy_adapter
 
     args = roofline.model_args_of(model, "dummy" if not os.path.isdir(model) else "auto")
-    return LoRARequest("profiled", 1, save_dummy_adapter(os.path.join(out, "adapter"), args,
-                                                          rank, 0))
+    return [LoRARequest(f"profiled{i}", i + 1, save_dummy_adapter(
+        os.path.join(out, f"adapter{i}"), args, rank, i)) for i in range(count)]
 
 
 def main() -> None:
@@ -120,6 +123,9 @@ def main() -> None:
                         help="every projection replaced by random packed int4 (group 128)")
     parser.add_argument("--lora-rank", type=int,
                         help="LoRA on, every sequence on a random adapter of this rank")
+    parser.add_argument("--num-adapters", type=int, default=1,
+                        help="with --lora-rank: a workload's prompts spread over this many "
+                             "adapters (max_loras)")
     a = parser.parse_args()
     if a.pallas_kv_write:
         from pallas_kernels import kv_write  # the A/B: the engine takes write_kv when built
@@ -131,15 +137,17 @@ def main() -> None:
               enforce_eager=not a.workload,  # a workload's windows must not compile buckets
               async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
               quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-              **(dict(enable_lora=True, max_lora_rank=a.lora_rank) if a.lora_rank else {}))
+              **(dict(enable_lora=True, max_lora_rank=a.lora_rank, max_loras=a.num_adapters)
+                 if a.lora_rank else {}))
     engine = llm.llm_engine
     if a.random_int4:
         from quant_gpu import random_int4
         engine.runner.params = random_int4(engine.runner.params)
-    lora = _random_adapter(a.model, a.lora_rank, a.out) if a.lora_rank else None
+    loras = _random_adapters(a.model, a.lora_rank, a.num_adapters, a.out) if a.lora_rank else []
+    lora = loras[0] if loras else None
     results = {}
     if a.workload:
-        results = profile_workload(engine, a.workload, a.window or [20], a.steps, a.out)
+        results = profile_workload(engine, a.workload, a.window or [20], a.steps, a.out, loras)
     for batch in a.batch or ([] if a.workload else [1]):
         measure_decode_step(engine, batch, a.context, 2, lora_request=lora)  # compile
         untraced = measure_decode_step(engine, batch, a.context, 4 * a.steps, lora_request=lora)
