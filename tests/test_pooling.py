@@ -123,6 +123,23 @@ def test_too_long_and_truncation(minilm):
     assert not minilm.llm_engine.has_unfinished_requests()
 
 
+def test_a_bad_prompt_behind_running_steps_raises_and_leaves_nothing(minilm, st_reference):
+    """LLM.embed adds a long list a step's worth at a time (ids made while steps run): a bad
+    prompt several steps in raises the per-request check's error, the engine keeps nothing of
+    the call, and the next call's embeddings are right."""
+    vocab = minilm.llm_engine.vocab_size
+    rows = minilm.llm_engine.config.scheduler_config.max_num_seqs
+    prompts = [[101, 1000 + i, 102] for i in range(5 * rows)]
+    prompts[4 * rows + 1] = [101, vocab, 102]
+    with pytest.raises(ValueError, match=rf"Token id {vocab} is out of vocabulary"):
+        minilm.embed(prompts, use_tqdm=False)
+    outputs = minilm.embed(["A short one.", "x y z"], use_tqdm=False)
+    assert not minilm.llm_engine.has_unfinished_requests()
+    assert len(minilm.llm_engine.scheduler.waiting) == 0
+    want = st_reference.encode(["A short one.", "x y z"], convert_to_numpy=True)
+    assert cosines(np.array([o.outputs.embedding for o in outputs]), want).min() > 0.99999
+
+
 def test_api_mismatches_are_refused(minilm):
     from jaxllm import SamplingParams
     with pytest.raises(ValueError, match="only supported for generative models"):

@@ -4,7 +4,7 @@ for pooling models .embed(), .classify(), .score(), .encode() (engine/llm_poolin
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -102,11 +102,14 @@ class LLM(PoolingAPI):
             return [prompts]  # one prompt given as token ids
         return prompts
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool,
+                    feed: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """Steps the engine until request_ids finish. feed(), called before each step, adds
+        more of them (True while some are still to come)."""
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
-            while self.llm_engine.has_unfinished_requests():
+            while (feed is not None and feed()) or self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
                     if output.finished:
                         finished[output.request_id] = output

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from jaxllm.engine.pooling_engine import PoolingEngine
 from jaxllm.engine.pooling_inputs import (cosine, cross_encoder_score, pair_inputs, pair_params,
@@ -66,7 +66,7 @@ class PoolingAPI:
         max_length = truncation_length(truncate_prompt_tokens, engine.max_model_len)
         inputs = [pair_inputs(engine.tokenizer, texts_1[i], texts_2[j], max_length)
                   for i, j in pairs]
-        outputs = self._run_pooling([ids for ids, _ in inputs],
+        outputs = self._run_pooling([ids for ids, _ in inputs], list,
                                     [pair_params(pooling_params, start) for _, start in inputs],
                                     use_tqdm, [lora_request] * len(inputs))
         return [ScoringRequestOutput(o.request_id, ScoringOutput(cross_encoder_score(
@@ -89,17 +89,34 @@ class PoolingAPI:
             raise ValueError(f"The lengths of prompts ({len(prompts)}) and pooling_params "
                              f"({len(pooling_params)}) must be the same.")
         truncate = truncate_prompt_tokens
-        token_ids = [prompt_token_ids(engine.tokenizer, prompt, truncation_length(
-            truncate if truncate is not None else params.truncate_prompt_tokens,
-            engine.max_model_len)) for prompt, params in zip(prompts, pooling_params)]
+        keep = [truncation_length(truncate if truncate is not None else p.truncate_prompt_tokens,
+                                  engine.max_model_len) for p in pooling_params]
         with_task = {id(p): PoolingParams(**{**vars(p), "task": task}) for p in pooling_params}
         params = [with_task[id(p)] for p in pooling_params]  # shared, as the caller's were
-        return self._run_pooling(token_ids, params, use_tqdm,
-                                 per_prompt(lora_request, len(prompts)))
+        return self._run_pooling(
+            list(zip(prompts, keep)), lambda prompt_keep: prompt_token_ids(engine.tokenizer,
+                                                                           *prompt_keep),
+            params, use_tqdm, per_prompt(lora_request, len(prompts)))
 
-    def _run_pooling(self, token_ids: list[list[int]], params: list[PoolingParams],
-                     use_tqdm: bool, lora_requests: list[LoRARequest | None]
-                     ) -> list[PoolingRequestOutput]:
-        request_ids = [str(next(self._request_counter)) for _ in token_ids]
-        self.llm_engine.add_requests(request_ids, token_ids, params, lora_requests)
-        return self._run_engine(request_ids, use_tqdm)
+    def _run_pooling(self, prompts: list, to_ids: Callable[[Any], Any],
+                     params: list[PoolingParams], use_tqdm: bool,
+                     lora_requests: list[LoRARequest | None]) -> list[PoolingRequestOutput]:
+        """Runs the prompts (each made token ids by to_ids), added a step's worth at a time
+        while the engine keeps two steps' worth waiting: making and checking the ids of the
+        prompts behind overlaps the device's work on those ahead. A bad prompt raises after
+        the steps before it ran, and nothing of the call stays in the engine."""
+        engine = self.llm_engine
+        request_ids = [str(next(self._request_counter)) for _ in prompts]
+        step_rows = engine.config.scheduler_config.max_num_seqs
+        added = 0
+
+        def feed() -> bool:
+            nonlocal added
+            while added < len(prompts) and len(engine.scheduler.waiting) < 2 * step_rows:
+                end = min(added + step_rows, len(prompts))
+                engine.add_requests(request_ids[added:end],
+                                    [to_ids(prompt) for prompt in prompts[added:end]],
+                                    params[added:end], lora_requests[added:end])
+                added = end
+            return added < len(prompts)
+        return self._run_engine(request_ids, use_tqdm, feed)
