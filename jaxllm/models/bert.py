@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxllm.models.lora import TokenLoRA
 from jaxllm.models.padded_attention import padded_attention
+from pallas_kernels import layer_norm as layer_norm_kernels
 
 # architecture -> position offset (RoBERTa numbers positions from pad_token_id + 1)
 ENCODER_ARCHITECTURES = {
@@ -109,6 +110,15 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return (out + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+def add_layer_norm(x: jax.Array, residual: jax.Array, weight: jax.Array, bias: jax.Array,
+                   eps: float) -> jax.Array:
+    """layer_norm(x + residual) (the sum in fp32): one Pallas kernel on a GPU, where XLA's two
+    passes ran ~20% slower (docs/lab); its reference elsewhere."""
+    if jax.default_backend() == "gpu":
+        return layer_norm_kernels.add_layer_norm(x, residual, weight, bias, eps)
+    return layer_norm_kernels.add_layer_norm_reference(x, residual, weight, bias, eps)
+
+
 def gelu(x: jax.Array, approximate: bool) -> jax.Array:
     """GELU in x's dtype; the exact (erf) form computed in fp32 by hand: XLA's fusion of
     jax.nn.gelu on 16-bit inputs takes twice as long on an H200 (docs/lab)."""
@@ -135,11 +145,11 @@ def _layer(layer: dict, x: jax.Array, lengths: jax.Array, args: BertArgs,
     attn = padded_attention(q, k, v, lengths, causal=False, sm_scale=args.head_dim ** -0.5,
                             implementation=implementation).reshape(num_seqs, max_len, -1)
     attn = adapted(jnp.einsum("slo,oh->slh", attn, layer["wo"]) + layer["bo"], attn, "o")
-    x = layer_norm(x + attn, layer["attn_norm_w"], layer["attn_norm_b"], args.layer_norm_eps)
+    x = add_layer_norm(attn, x, layer["attn_norm_w"], layer["attn_norm_b"], args.layer_norm_eps)
     h = adapted(jnp.einsum("slh,hi->sli", x, layer["w_in"]) + layer["b_in"], x, "in")
     h = gelu(h, args.gelu_approximate)
     h = adapted(jnp.einsum("sli,ih->slh", h, layer["w_out"]) + layer["b_out"], h, "out")
-    return layer_norm(x + h, layer["mlp_norm_w"], layer["mlp_norm_b"], args.layer_norm_eps)
+    return add_layer_norm(h, x, layer["mlp_norm_w"], layer["mlp_norm_b"], args.layer_norm_eps)
 
 
 def encode(params: dict, token_ids: jax.Array, token_type_ids: jax.Array, lengths: jax.Array, *,
