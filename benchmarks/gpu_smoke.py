@@ -8,6 +8,8 @@ own process, so a crash fails that case only, and generates a few greedy tokens 
 A case passes when it starts, its logprobs are finite, and its tokens equal those of every
 other case of the same model, dtype, max_model_len and block size (other backends, batch
 sizes, TP), unless they part at a near tie (the two best logprobs within TIE of each other).
+Pooling cases (a small BERT) embed the prompts instead: finite, and within COSINE of each
+other's embeddings.
 
 The matrix is a covering design, not the product: every backend with a small and the default
 max_num_seqs; every max_num_seqs (1/2/8/256), max_model_len (777/2048/8192), block size
@@ -29,11 +31,21 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Logprob gap under which two greedy paths may part, by dtype: two kernels (Triton and Mosaic
 # prefill, say) round differently, and random weights make near ties common. The kernels'
 # numerics are checked against fp32 references by pallas_kernels.bench; this checks start-up.
 TIE = {"float32": 0.01, "float16": 0.1, "bfloat16": 0.3}
+# Least cosine between two cases' embeddings of a prompt (attention backends round differently).
+COSINE = {"float32": 0.99999, "float16": 0.999, "bfloat16": 0.99}
+# A BERT shape whose hidden size (96) is no power of two and whose head size (24) is cuDNN's
+# smallest kind: the LayerNorm kernel's masked lanes and the fused attention's edge.
+POOLING_MODEL = dict(architectures=["BertModel"], model_type="bert", vocab_size=30522,
+                     hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=512, type_vocab_size=2,
+                     layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
@@ -59,6 +71,7 @@ class Case:
     eagle: bool = False  # EAGLE speculation with a random head: greedy tokens as plain
     lora: bool = False  # the second prompt runs with a random rank-16 adapter (multi-LoRA)
     draft: bool = False  # draft-model speculation, the model its own draft: tokens as plain
+    pooling: bool = False  # a BERT encoder (POOLING_MODEL, dummy weights) embeds the prompts
 
     @property
     def name(self) -> str:
@@ -66,7 +79,7 @@ class Case:
                             f" q-{self.quantization}" * (self.quantization is not None),
                             " ngram" * self.speculative, " eagle" * self.eagle,
                             " draft" * self.draft,
-                            " lora" * self.lora])
+                            " lora" * self.lora, " embed" * self.pooling])
         layout = f"tp{self.tp}" + f" dp{self.dp}" * (self.dp > 1) + f" pp{self.pp}" * (self.pp > 1)
         return (f"{self.model} {self.dtype} len{self.max_model_len} bs{self.block_size} "
                 f"seqs{self.max_num_seqs} {self.backend} {layout}{features}")
@@ -79,7 +92,7 @@ class Case:
     def group(self) -> tuple:
         """Cases whose greedy tokens must agree."""
         return (self.model, self.dtype, self.max_model_len, self.block_size,
-                self.kv_cache_dtype, self.quantization, self.lora)
+                self.kv_cache_dtype, self.quantization, self.lora, self.pooling)
 
 
 def gpu_matrix(num_gpus: int) -> list[Case]:
@@ -101,6 +114,11 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     # the LoRA kernels (pallas) against their references (xla)
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, lora=True)
               for backend in ("pallas", "xla")]
+    # pooling: cuDNN's attention (auto) against XLA's, the LayerNorm kernel in both
+    cases += [Case("bert-tiny", "float16", 512, 16, seqs, backend, pooling=True)
+              for seqs in (1, 256) for backend in ("auto", "xla")]
+    cases += [Case("bert-tiny", "float32", 64, 16, 8, backend, pooling=True)
+              for backend in ("auto", "xla")]
     # the 8B shape: the sizes reported to crash in warm-up, and the default
     big = dict(model="llama-3.1-8b", dtype="bfloat16", max_model_len=2048, block_size=16,
                utilization=0.3, max_num_batched_tokens=None)
@@ -132,6 +150,10 @@ def cpu_matrix() -> list[Case]:
                  backend="xla", eagle=True, **small),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
                  backend="xla", draft=True, **small),
+            Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
+                 max_num_seqs=8, backend="xla", pooling=True, enforce_eager=True),
+            Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
+                 max_num_seqs=1, backend="auto", pooling=True, enforce_eager=True),
             # the Mosaic kernel has no CPU lowering: a case that fails must not end the matrix
             Case(dtype="bfloat16", max_model_len=777, block_size=16, max_num_seqs=2,
                  backend="mosaic", expect_error=True, **small)]
@@ -147,6 +169,8 @@ def prompts_for(case: Case) -> list[list[int]]:
 def run_case(case: Case) -> dict:
     from jaxllm import LLM, SamplingParams
 
+    if case.pooling:
+        return _run_pooling_case(case)
     start = time.perf_counter()
     lora_kwargs, adapter = _lora(case)
     llm = LLM(model=case.model, load_format="dummy", dtype=case.dtype,
@@ -170,6 +194,26 @@ def run_case(case: Case) -> dict:
     return {"start_s": round(started, 1), "generate_s": round(time.perf_counter() - start
                                                               - started, 1),
             "tokens": tokens, "top_logprobs": tops}
+
+
+def _run_pooling_case(case: Case) -> dict:
+    import tempfile
+
+    from jaxllm import LLM
+
+    model = tempfile.mkdtemp(prefix="gpu_smoke_bert")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(POOLING_MODEL, f)
+    start = time.perf_counter()
+    llm = LLM(model=model, load_format="dummy", dtype=case.dtype,
+              max_model_len=case.max_model_len, max_num_seqs=case.max_num_seqs,
+              attention_backend=case.backend, gpu_memory_utilization=case.utilization,
+              enforce_eager=case.enforce_eager)
+    started = time.perf_counter() - start
+    outputs = llm.embed(prompts_for(case), use_tqdm=False)
+    return {"start_s": round(started, 1),
+            "generate_s": round(time.perf_counter() - start - started, 1),
+            "embeddings": [list(map(float, o.outputs.embedding)) for o in outputs]}
 
 
 def _speculative(case: Case) -> dict | None:
@@ -273,6 +317,9 @@ def judge(rows: list[dict]) -> None:
     for row in rows:
         by_group.setdefault(_group(row), []).append(row)
     for row in rows:
+        if "embeddings" in row:
+            row["verdict"] = _judge_embeddings(row, by_group[_group(row)])
+            continue
         if "tokens" not in row:
             row["verdict"] = "expected error" if row["expect_error"] else "FAIL: " + row["error"]
             continue
@@ -285,6 +332,22 @@ def judge(rows: list[dict]) -> None:
         row["verdict"] = ("FAIL: non-finite logprobs" if not finite
                           else f"FAIL: tokens differ from {parted}" if parted
                           else f"ok ({len(peers)} peers agree)")
+
+
+def _judge_embeddings(row: dict, group: list[dict]) -> str:
+    if row["expect_error"]:
+        return "FAIL: started, but an error was expected"
+    ours = np.array(row["embeddings"])
+    if not np.isfinite(ours).all():
+        return "FAIL: non-finite embeddings"
+    peers = [p for p in group if "embeddings" in p and p is not row]
+    parted = [p["case"] for p in peers if _least_cosine(ours, np.array(p["embeddings"]))
+              < COSINE[row["dtype"]]]
+    return f"FAIL: embeddings differ from {parted}" if parted else f"ok ({len(peers)} peers agree)"
+
+
+def _least_cosine(a, b) -> float:
+    return float(((a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)).min())
 
 
 def _group(row: dict) -> tuple:
@@ -306,7 +369,8 @@ def _agree(a: dict, b: dict) -> bool:
 
 
 def _print_row(row: dict) -> None:
-    status = "started" if "tokens" in row else f"error: {row.get('error', '')[:120]}"
+    status = ("started" if "tokens" in row or "embeddings" in row
+              else f"error: {row.get('error', '')[:120]}")
     print(f"[{row['wall_s']:6.1f}s] {row['case']:60s} {status}", flush=True)
 
 
@@ -316,7 +380,9 @@ def write_report(rows: list[dict], out_dir: str, wall_s: float) -> bool:
         json.dump({"ok": ok, "wall_s": wall_s, "cases": rows}, f, indent=1)
     lines = ["| case | start s | generate s | first tokens | verdict |", "|---|---|---|---|---|"]
     for row in sorted(rows, key=lambda r: r["case"]):
-        first = row["tokens"][0] if "tokens" in row else "-"
+        first = (row["tokens"][0] if "tokens" in row
+                 else [round(x, 4) for x in row["embeddings"][0][:3]] if "embeddings" in row
+                 else "-")
         lines.append(f"| {row['case']} | {row.get('start_s', '-')} | "
                      f"{row.get('generate_s', '-')} | {first} | {row['verdict']} |")
     lines.append(f"\n{len(rows)} cases, {wall_s:.0f} s: {'PASS' if ok else 'FAIL'}")

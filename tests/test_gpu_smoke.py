@@ -44,8 +44,20 @@ def test_judge_flags_non_finite_logprobs_and_unexpected_outcomes():
         "FAIL: ValueError: boom"]
 
 
+def test_judge_compares_pooling_cases_by_cosine():
+    def row(backend, embeddings):
+        case = gpu_smoke.Case("bert-tiny", "float16", 512, 16, 8, backend, pooling=True)
+        return {"case": case.name, **gpu_smoke.asdict(case), "embeddings": embeddings}
+    close = [row("auto", [[1.0, 2.0, 3.0]]), row("xla", [[1.0, 2.0, 3.001]])]
+    apart = [row("auto", [[1.0, 2.0, 3.0]]), row("xla", [[1.0, -2.0, 3.0]])]
+    gpu_smoke.judge(close)
+    gpu_smoke.judge(apart)
+    assert [r["verdict"] for r in close] == ["ok (1 peers agree)"] * 2
+    assert all(r["verdict"].startswith("FAIL: embeddings differ") for r in apart)
+
+
 def test_matrix_covers_every_value_of_every_axis():
-    cases = gpu_smoke.gpu_matrix(num_gpus=2)
+    cases = [c for c in gpu_smoke.gpu_matrix(num_gpus=2) if not c.pooling]
     for axis, values in (("max_num_seqs", {1, 2, 8, 256}), ("max_model_len", {777, 2048, 8192}),
                          ("block_size", {16, 32, 64}),
                          ("dtype", {"bfloat16", "float16", "float32"}),
@@ -57,6 +69,9 @@ def test_matrix_covers_every_value_of_every_axis():
         assert 256 in {c.max_num_seqs for c in cases if c.backend == backend}
     assert not [c for c in cases if c.backend == "mosaic" and c.dtype == "float32"]
     assert {c.num_gpus for c in gpu_smoke.gpu_matrix(num_gpus=1)} == {1}
+    pooling = [c for c in gpu_smoke.gpu_matrix(num_gpus=1) if c.pooling]  # both attentions
+    assert {(c.backend, c.max_num_seqs) for c in pooling} >= {("auto", 1), ("auto", 256),
+                                                              ("xla", 1), ("xla", 256)}
 
 
 def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path):
@@ -68,8 +83,9 @@ def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path):
         report = json.load(f)
     verdicts = sorted(row["verdict"] for row in report["cases"])
     # LoRA in a group of its own; plain seqs 1 and 8, n-gram, EAGLE and the draft model
-    # agreeing with each other
+    # agreeing with each other; the two pooling cases' embeddings with each other
     assert report["ok"] and verdicts == (["expected error", "ok (0 peers agree)"]
+                                         + ["ok (1 peers agree)"] * 2
                                          + ["ok (4 peers agree)"] * 5), verdicts
     assert (tmp_path / "gpu_smoke.md").read_text().count("| llama-tiny") == 7
     assert out.stdout.count("llama-tiny") >= 14  # a progress row per case, then the table
