@@ -2,15 +2,15 @@
 
 Models: all-MiniLM-L6-v2 (fp16, real weights) and a BERT-base shape (dummy weights). For each
 sequence length (32/128/512 tokens) it embeds `--num-batches` x `--batch` sequences of exactly
-that many token ids, as a user embedding a corpus would: jaxllm gets the whole list in one
-LLM.embed() call (the engine runs it in steps of --batch rows, launching each before it
-finishes the previous one); the peer on torch embeds it --batch rows at a time, each batch's
-embeddings brought to the host as sentence-transformers' encode(batch_size=...) does. The peer
-is sentence-transformers' own modules for MiniLM where the package is installed, else (and for
-the BERT-base shape) transformers' AutoModel (SDPA attention) + mean pooling + L2
-normalisation, which is what sentence-transformers computes. Both get token ids (no
-tokenisation timed). Then the latency of one short request (8 tokens), median of
---latency-runs.
+that many token ids as a user embedding a corpus would, each side timed as the median of
+--repeats runs of the list: jaxllm gets the whole list in one LLM.embed() call (the engine runs
+it in steps of --batch rows, launching each before it finishes the previous one); the peer on
+torch embeds it --batch rows at a time, each batch's embeddings brought to the host as
+sentence-transformers' encode(batch_size=...) does. The peer is sentence-transformers' own
+modules for MiniLM where the package is installed, else (and for the BERT-base shape)
+transformers' AutoModel (SDPA attention) + mean pooling + L2 normalisation, which is what
+sentence-transformers computes. Both get token ids (no tokenisation timed). Then the latency of
+one short request (8 tokens), median of --latency-runs.
 
     python benchmarks/embedding_gpu.py --model-dir DIR --out OUT      # one H200
     python benchmarks/embedding_gpu.py --cpu --out /tmp/emb           # the logic, small, on CPU
@@ -83,12 +83,17 @@ def agreement(llm, peer, ids: list[list[int]]) -> float:
     return float(cos.min())
 
 
-def jaxllm_throughput(llm, batches: list) -> float:
+def jaxllm_throughput(llm, batches: list, repeats: int) -> float:
+    """Seconds for the whole list, the median of `repeats` runs (one run of short prompts lasts
+    tens of ms: a collector pause moves it by a third)."""
     llm.embed(batches[0], use_tqdm=False)  # compiles this shape
     prompts = [ids for batch in batches for ids in batch]
-    start = time.perf_counter()
-    llm.embed(prompts, use_tqdm=False)
-    return time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.embed(prompts, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def jaxllm_latency(llm, ids: list[int], runs: int) -> float:
@@ -143,13 +148,16 @@ class TorchPeer:
         if self.device == "cuda":
             self.torch.cuda.synchronize()
 
-    def throughput(self, batches: list) -> float:
+    def throughput(self, batches: list, repeats: int) -> float:
         self.embed(batches[0])
         self.sync()
-        start = time.perf_counter()
-        for ids in batches:
-            self.embed(ids).cpu()
-        return time.perf_counter() - start
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for ids in batches:
+                self.embed(ids).cpu()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
     def latency(self, ids: list[int], runs: int) -> float:
         self.embed([ids]).cpu()
@@ -169,7 +177,8 @@ def bench_model(name: str, model_dir: str, dummy: bool, peer: TorchPeer, args, e
     for length in args.lengths:
         batches = random_batches(vocab, args.batch, length, args.num_batches, length)
         num_seqs = args.batch * args.num_batches
-        ours, theirs = jaxllm_throughput(llm, batches), peer.throughput(batches)
+        ours = jaxllm_throughput(llm, batches, args.repeats)
+        theirs = peer.throughput(batches, args.repeats)
         if args.profile:
             profile_run(llm, batches, os.path.join(args.out, f"trace_{name}_{length}"), emit)
         emit(dict(model=name, metric="throughput", tokens=length, batch=args.batch,
@@ -236,6 +245,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--num-batches", type=int, default=8)
     parser.add_argument("--latency-runs", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="throughput: the median of this many runs of the whole list")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--profile", action="store_true",
                         help="also trace the run once per length (kernel times per batch)")
@@ -247,6 +258,7 @@ def main() -> None:
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
         args.batch, args.lengths, args.num_batches, args.latency_runs = 4, [32, 64], 2, 3
+        args.repeats = 1
         args.dtype = "float32"
     import torch
     device, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.float16)
