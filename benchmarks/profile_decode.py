@@ -33,6 +33,25 @@ def read_trace(trace_dir: str, pattern: str = "*.trace.json.gz") -> tuple[str, l
     return path, events, process
 
 
+def annotated_gpu_events(trace_dir: str, prefix: str) -> dict[str, tuple[float, list]]:
+    """Each host annotation named prefix + NAME in jax's Perfetto trace -> (its duration in us,
+    the GPU stream events (kernels, copies) whose midpoint falls inside it, as (name, us))."""
+    _, events, process = read_trace(trace_dir, "perfetto_trace.json.gz")
+    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    windows, gpu = {}, []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e["name"].startswith(prefix):
+            windows[e["name"][len(prefix):]] = (e["ts"], e["ts"] + e["dur"])
+        elif (process.get(e["pid"], "").startswith("/device:GPU")
+              and thread.get((e["pid"], e["tid"]), "").startswith("Stream")):
+            gpu.append((e["ts"] + e["dur"] / 2, e["name"], e["dur"]))
+    return {name: (end - start, [(kernel, dur) for mid, kernel, dur in gpu if start <= mid <= end])
+            for name, (start, end) in windows.items()}
+
+
 def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
     path, events, process = read_trace(trace_dir)
     per_process = defaultdict(lambda: defaultdict(float))  # process -> event name -> us

@@ -48,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxllm.models import quant  # noqa: E402
 from pallas_kernels import quant_matmul  # noqa: E402
 from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
-from profile_decode import read_trace  # noqa: E402
+from profile_decode import annotated_gpu_events  # noqa: E402
 
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
@@ -163,24 +163,11 @@ def trace_runs(programs: list[dict], args_of, trace_dir: str) -> None:
 def run_times(trace_dir: str) -> dict[tuple[int, int], dict]:
     """(program, run) -> {"wall_us", "gpu_us", "kernels"}: its annotation's duration and the GPU
     stream events (kernels, copies) whose midpoint falls inside it."""
-    _, events, process = read_trace(trace_dir, "perfetto_trace.json.gz")
-    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    windows, gpu = {}, []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        if e["name"].startswith("quant_linear:"):
-            _, i, r = e["name"].split(":")
-            windows[int(i), int(r)] = (e["ts"], e["ts"] + e["dur"])
-        elif (process.get(e["pid"], "").startswith("/device:GPU")
-              and thread.get((e["pid"], e["tid"]), "").startswith("Stream")):
-            gpu.append((e["ts"] + e["dur"] / 2, e["dur"]))
-    gpu.sort()
     out = {}
-    for key, (start, end) in windows.items():
-        inside = [d for mid, d in gpu if start <= mid <= end]
-        out[key] = {"wall_us": end - start, "gpu_us": sum(inside), "kernels": len(inside)}
+    for name, (wall, inside) in annotated_gpu_events(trace_dir, "quant_linear:").items():
+        i, r = name.split(":")
+        out[int(i), int(r)] = {"wall_us": wall, "gpu_us": sum(d for _, d in inside),
+                               "kernels": len(inside)}
     return out
 
 

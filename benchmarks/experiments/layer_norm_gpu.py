@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [BENCHMARKS, os.path.dirname(BENCHMARKS)]
-from profile_decode import read_trace  # noqa: E402
+from profile_decode import annotated_gpu_events  # noqa: E402
 
 from jaxllm.models.bert import layer_norm  # noqa: E402
 from pallas_kernels.layer_norm import add_layer_norm, add_layer_norm_reference  # noqa: E402
@@ -84,26 +84,13 @@ def inputs(num_tokens, hidden, seed):
 def window_events(trace_dir: str) -> dict[str, dict]:
     """Window name -> {"wall_us", "gpu_us", "kernels" {name: us}, "launches"}: the GPU stream
     events (kernels, copies) whose midpoint falls inside the window's annotation."""
-    _, events, process = read_trace(trace_dir, "perfetto_trace.json.gz")
-    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    windows, gpu = {}, []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        if e["name"].startswith("ln:"):
-            windows[e["name"][3:]] = (e["ts"], e["ts"] + e["dur"])
-        elif (process.get(e["pid"], "").startswith("/device:GPU")
-              and thread.get((e["pid"], e["tid"]), "").startswith("Stream")):
-            gpu.append((e["ts"] + e["dur"] / 2, e["dur"], e["name"][:60]))
     out = {}
-    for name, (start, end) in windows.items():
+    for name, (wall, inside) in annotated_gpu_events(trace_dir, "ln:").items():
         kernels = {}
-        for mid, dur, kernel in gpu:
-            if start <= mid <= end:
-                kernels[kernel] = kernels.get(kernel, 0.0) + dur
-        out[name] = {"wall_us": end - start, "gpu_us": sum(kernels.values()),
-                     "kernels": kernels, "launches": sum(start <= m <= end for m, _, _ in gpu)}
+        for kernel, dur in inside:
+            kernels[kernel[:60]] = kernels.get(kernel[:60], 0.0) + dur
+        out[name] = {"wall_us": wall, "gpu_us": sum(kernels.values()), "kernels": kernels,
+                     "launches": len(inside)}
     return out
 
 
