@@ -150,11 +150,12 @@ class PoolingEngine(LoRAAdmin):
         return [PoolingRequestOutput(r.request_id, PoolingOutput(x), r.prompt_token_ids)
                 for r, x in zip(batch, pooled) if r.request_id not in aborted]
 
-    def _finish_batch(self, pooled: list[np.ndarray], params: list[PoolingParams]) -> list:
+    def _finish_batch(self, pooled, params: list[PoolingParams]):
         """_finish per request, or once over the batch's rows when they share their params
-        (the common case, and per-row numpy calls cost more than the step's forward)."""
+        (the common case, and per-row numpy calls cost more than the step's forward). pooled:
+        the runner's collect."""
         if params and not self.runner.per_token and all(p is params[0] for p in params):
-            return list(self._finish(np.stack(pooled), params[0]))
+            return self._finish(pooled, params[0])
         return [self._finish(x, p) for x, p in zip(pooled, params)]
 
     def _finish(self, pooled: np.ndarray, params: PoolingParams) -> np.ndarray:

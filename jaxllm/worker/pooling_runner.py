@@ -1,7 +1,8 @@
 """The pooling runner: one jitted forward + pooler per step over a padded [S, L] batch.
 
 Every (rows, length) bucket of the grid (batch_shapes) is compiled at warm-up, so nothing
-compiles while serving. A step's inputs are built in numpy and its output fetched in one
+compiles while serving. A step's inputs are built in numpy as one int32 array (one host-to-device
+transfer: each costs about a tenth of a short batch's host time) and its output fetched in one
 device-to-host transfer; a request's row is then finished (models/pooler.py says what it holds).
 With LoRA, params["lora"] holds the adapters' device slots and a step's last input is each row's
 slot: adapters are moved into slots before the step launches, by one program for every slot,
@@ -52,35 +53,44 @@ class PoolingRunner:
         self.shapes = shapes
         self.lengths = sorted(shapes)
         self.per_token = per_token
-        self._jit = jax.jit(encode_fn)
+        self._encode = encode_fn
+        self._jit = jax.jit(self._unpacked)
         self._compiled: dict[tuple[int, int], Callable] = {}
+
+    def _unpacked(self, params, rows: jax.Array) -> jax.Array:
+        """rows [S, 2L + 1 (+ 1 with LoRA)] int32: token ids, token types, length (, slot)."""
+        length = (rows.shape[1] - 1 - (self.lora is not None)) // 2
+        slots = (rows[:, -1],) if self.lora is not None else ()
+        return self._encode(params, rows[:, :length], rows[:, length:2 * length],
+                            rows[:, 2 * length], *slots)
 
     def bucket_for(self, num_seqs: int, max_len: int) -> tuple[int, int]:
         length = bucket(max_len, self.lengths)
         return bucket(num_seqs, self.shapes[length]), length
 
-    @staticmethod
-    def _inputs(requests: list[PoolingRequest], num_rows: int, length: int):
-        token_ids = np.zeros((num_rows, length), np.int32)
-        type_ids = np.zeros((num_rows, length), np.int32)
-        lengths = np.ones(num_rows, np.int32)  # padding rows: one token, so no empty softmax
+    def _inputs(self, requests: list[PoolingRequest], num_rows: int, length: int,
+                busy: set[int]) -> np.ndarray:
+        """The step's rows, as _unpacked reads them; padding rows: one token (no empty
+        softmax), slot 0."""
+        rows = np.zeros((num_rows, 2 * length + 1 + (self.lora is not None)), np.int32)
+        rows[:, 2 * length] = 1
         for row, request in enumerate(requests):
             ids = request.prompt_token_ids
-            token_ids[row, :len(ids)] = ids
-            lengths[row] = len(ids)
+            rows[row, :len(ids)] = ids
+            rows[row, 2 * length] = len(ids)
             start = request.pooling_params.token_type_start
             if start is not None:
-                type_ids[row, start:len(ids)] = 1
-        return token_ids, type_ids, lengths
+                rows[row, length + start:length + len(ids)] = 1
+        if self.lora is not None:
+            rows[:, -1] = self._lora_rows(requests, num_rows, busy)
+        return rows
 
     def launch(self, requests: list[PoolingRequest], busy: set[int] = frozenset()) -> jax.Array:
         """Dispatches the step; returns its output on device without waiting for it. busy: the
         LoRA slots of the step in flight, which keep their adapters."""
         shape = self.bucket_for(len(requests), max(len(r.prompt_token_ids) for r in requests))
-        inputs = self._inputs(requests, *shape)
-        if self.lora is not None:
-            inputs = (*inputs, self._lora_rows(requests, shape[0], set(busy)))
-        return self._compiled.get(shape, self._jit)(self.params, *inputs)
+        rows = self._inputs(requests, *shape, set(busy))
+        return self._compiled.get(shape, self._jit)(self.params, rows)
 
     def _lora_rows(self, requests: list[PoolingRequest], num_rows: int,
                    busy: set[int]) -> np.ndarray:
@@ -94,16 +104,13 @@ class PoolingRunner:
         self.params = self.lora.with_stacks(self.params)
         return rows
 
-    def collect(self, requests: list[PoolingRequest], launched: jax.Array) -> list[np.ndarray]:
-        """Waits for a launched step; each request's pooled output (float32), in order."""
+    def collect(self, requests: list[PoolingRequest], launched: jax.Array):
+        """Waits for a launched step; each request's pooled output (float32), in order: the
+        rows of one [requests, D] array, or (per_token) a list of [its tokens, D] arrays."""
         out = np.asarray(jax.device_get(launched))
         if self.per_token:
             return [out[i, :len(r.prompt_token_ids)] for i, r in enumerate(requests)]
-        return list(out[:len(requests)])
-
-    def _padding_inputs(self, num_rows: int, length: int) -> tuple:
-        inputs = self._inputs([], num_rows, length)
-        return inputs if self.lora is None else (*inputs, self._lora_rows([], num_rows, set()))
+        return out[:len(requests)]
 
     def warmup(self, progress: Callable[[str], None] = logger.info) -> None:
         """Compiles every bucket's program (in a thread pool: XLA compiles without the GIL)."""
@@ -113,7 +120,7 @@ class PoolingRunner:
         shapes = [(rows, length) for length in self.lengths for rows in self.shapes[length]]
         with ThreadPoolExecutor(max(1, min(len(shapes), os.cpu_count() or 1))) as pool:
             futures = {pool.submit(self._jit.lower(self.params,
-                                                   *self._padding_inputs(*shape)).compile): shape
+                                                   self._inputs([], *shape, set())).compile): shape
                        for shape in shapes}
             for n, future in enumerate(as_completed(futures), 1):
                 self._compiled[futures[future]] = future.result()
