@@ -28,16 +28,23 @@ from jax.experimental.pallas import triton as pltriton
 _TILE_ELEMENTS = 4096  # default block_rows * padded H: 4 rows of BERT-base, 8 of MiniLM
 
 
-def add_layer_norm_reference(x: jax.Array, residual: jax.Array, weight: jax.Array,
-                             bias: jax.Array, eps: float) -> jax.Array:
-    """x, residual [..., H], weight, bias [H] -> [..., H] in x's dtype: models/bert.py's
-    layer_norm(x + residual, weight, bias, eps) with the sum taken in fp32 (see the module's
-    docstring), everything else as there."""
-    x32 = x.astype(jnp.float32) + residual.astype(jnp.float32)
+def layer_norm_reference(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float,
+                         dtype=None) -> jax.Array:
+    """x [..., H], weight, bias [H] -> LayerNorm over the last axis, computed in fp32, in dtype
+    (default x's)."""
+    x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     out = (x32 - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
-    return (out + bias.astype(jnp.float32)).astype(x.dtype)
+    return (out + bias.astype(jnp.float32)).astype(dtype or x.dtype)
+
+
+def add_layer_norm_reference(x: jax.Array, residual: jax.Array, weight: jax.Array,
+                             bias: jax.Array, eps: float) -> jax.Array:
+    """x, residual [..., H], weight, bias [H] -> [..., H] in x's dtype: layer_norm_reference of
+    x + residual, the sum taken in fp32 (see the module's docstring)."""
+    return layer_norm_reference(x.astype(jnp.float32) + residual.astype(jnp.float32), weight,
+                                bias, eps, x.dtype)
 
 
 def _kernel(x_ref, r_ref, w_ref, b_ref, out_ref, *, eps, block_rows, block_h):

@@ -71,7 +71,7 @@ class PoolingRunner:
     def _inputs(self, requests: list[PoolingRequest], num_rows: int, length: int,
                 busy: set[int]) -> np.ndarray:
         """The step's rows, as _unpacked reads them; padding rows: one token (no empty
-        softmax), slot 0."""
+        softmax), slot 0. With LoRA, the rows' adapters are moved into slots here."""
         rows = np.zeros((num_rows, 2 * length + 1 + (self.lora is not None)), np.int32)
         rows[:, 2 * length] = 1
         for row, request in enumerate(requests):
