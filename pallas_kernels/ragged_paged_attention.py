@@ -105,7 +105,7 @@ def _next_pow2(n: int) -> int:
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
                       group_pad, block_q, block_k, page_size, num_splits, num_sms, k_scale,
-                      v_scale):
+                      v_scale, fp8_pages):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -126,6 +126,11 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         dims = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
         row_idx = (token[:, None], head[:, None], dims)
         q = pltriton.load(q_ref.at[row_idx], mask=row_valid[:, None], other=0)  # [R, D]
+        scaled_q = fp8_pages and q.dtype.itemsize == 2
+        if scaled_q:
+            # float8 pages widen to float16 in one instruction per pair on sm_90 (to bf16 it
+            # takes several), so the dots run in float16; q, scaled first, is well in its range
+            q = (q.astype(jnp.float32) * sm_scale).astype(jnp.float16)
 
         first_pos = kv_len - (q_end - q_start) + block_start - q_start
         kv_hi = kv_len - (q_end - q_start) + jnp.minimum(block_start + block_q, q_end) - q_start
@@ -144,6 +149,8 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # Base-2 softmax (exp2 is one instruction); without a soft cap the scale and log2(e)
         # fold into one multiply of the scores.
         qk_scale = (sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap) * k_scale
+        if scaled_q:
+            qk_scale /= sm_scale
 
         def tile_slots(t, kv_pos, kv_valid):
             """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""
@@ -166,7 +173,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             # dims (an arange) last and unit-stride: Triton vectorises the loads along D
             kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)
             load_kw = dict(mask=kv_valid[:, None], other=0.0) if masked else {}
-            # a float8 cache is widened to q's dtype in registers (its scales fold into
+            # a float8 cache is widened to the dots' dtype in registers (its scales fold into
             # qk_scale and the output)
             k = pltriton.load(k_ref.at[kv_idx], **load_kw).astype(q.dtype)  # [Bk, D]
             v = pltriton.load(v_ref.at[kv_idx], **load_kw).astype(q.dtype)
@@ -310,14 +317,17 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     # The tiling sweeps (`python -m pallas_kernels.bench --sections sweep`, docs/lab/): 16-bit
     # decode reads 128-token KV tiles best (8 warps and 3 stages without splits, 4 and 2 with),
     # prefill 64-token tiles with 2 stages. Wider tiles of fp32 or head_dim 256 would not fit
-    # shared memory at those depths.
-    wide_tiles = decode_bucket and q.dtype.itemsize <= 2 and head_dim <= 128
+    # shared memory at those depths. Float8 pages read fastest in 64-token tiles, 4 warps and
+    # 3 stages (benchmarks/experiments/fp8_kv_attention_gpu.py).
+    fp8_pages = k_cache.dtype == jnp.float8_e4m3fn
+    decode_16bit = decode_bucket and q.dtype.itemsize <= 2 and head_dim <= 128
+    wide_tiles = decode_16bit and not fp8_pages
     if block_k is None:
         block_k = 128 if wide_tiles else 64 if head_dim <= 128 else 32
     num_tiles = pl.cdiv(max_pages * page_size, block_k)
     if num_kv_splits is None:
         num_kv_splits = _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles)
-    deep = wide_tiles and num_kv_splits == 1
+    deep = decode_16bit and num_kv_splits == 1
     if block_q * group_pad < 16 or block_q & (block_q - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_q * {group_pad} (={block_q * group_pad}) and block_k={block_k} "
                          "must be powers of two >= 16")
@@ -336,7 +346,8 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale)
+        num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale,
+        fp8_pages=fp8_pages)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(
@@ -345,7 +356,8 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_init],
         input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
         compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps or (8 if deep else 4), num_stages=num_stages or (3 if deep else 2)),
+            num_warps=num_warps or (8 if wide_tiles and deep else 4),
+            num_stages=num_stages or (3 if deep else 2)),
         interpret=interpret,
         name="ragged_paged_attention",
     )(*inputs, *out_init)

@@ -147,11 +147,25 @@ def check_fp8(args, *, k_scale, v_scale, tol, ref_args=None, **kw):
     ref_in = list(ref_args or args)
     ref_in[0] = ref_in[0].astype(jnp.float32)
     ref = ragged_paged_attention_reference(*ref_in, sm_scale=kw["sm_scale"], k_scale=k_scale,
-                                           v_scale=v_scale)
+                                           v_scale=v_scale, soft_cap=kw.get("soft_cap"))
     live = int(args[5][int(args[6][0])])
     assert np.isfinite(np.asarray(out[:live], np.float32)).all()
     assert rel_err(out[:live], ref[:live]) < tol
     return ref
+
+
+@pytest.mark.parametrize("splits,soft_cap", [(1, None), (3, None), (1, 30.0)])
+def test_triton_attention_reads_fp8_pages_in_a_decode_bucket(splits, soft_cap):
+    """A decode bucket (no more tokens than sequences) takes the float8 pages' own tiles; q runs
+    scaled in float16, the soft cap's scale included."""
+    q_lens, ctx = [1, 1, 0, 1, 1], [40, 300, 0, 3, 200]
+    args = make_batch(40 + splits, q_lens, np.add(ctx, q_lens), num_q_heads=8, num_kv_heads=2,
+                      head_dim=64, page_size=16, max_seqs=6, num_tokens=6)
+    q, k_cache, v_cache, *rest = args
+    fp8_args = (q.astype(jnp.bfloat16), to_fp8(k_cache, 0.25), to_fp8(v_cache, 4.0), *rest)
+    poisoned, clean = poison(fp8_args)
+    check_fp8(poisoned, ref_args=clean, k_scale=0.25, v_scale=4.0, tol=2e-2, sm_scale=0.125,
+              num_kv_splits=splits, soft_cap=soft_cap)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
