@@ -154,32 +154,27 @@ def check_fp8(args, *, k_scale, v_scale, tol, ref_args=None, **kw):
     return ref
 
 
-@pytest.mark.parametrize("splits,soft_cap", [(1, None), (3, None), (1, 30.0)])
-def test_triton_attention_reads_fp8_pages_in_a_decode_bucket(splits, soft_cap):
-    """A decode bucket (no more tokens than sequences) takes the float8 pages' own tiles; q runs
-    scaled in float16, the soft cap's scale included."""
-    q_lens, ctx = [1, 1, 0, 1, 1], [40, 300, 0, 3, 200]
-    args = make_batch(40 + splits, q_lens, np.add(ctx, q_lens), num_q_heads=8, num_kv_heads=2,
-                      head_dim=64, page_size=16, max_seqs=6, num_tokens=6)
-    q, k_cache, v_cache, *rest = args
-    fp8_args = (q.astype(jnp.bfloat16), to_fp8(k_cache, 0.25), to_fp8(v_cache, 4.0), *rest)
-    poisoned, clean = poison(fp8_args)
-    check_fp8(poisoned, ref_args=clean, k_scale=0.25, v_scale=4.0, tol=2e-2, sm_scale=0.125,
-              num_kv_splits=splits, soft_cap=soft_cap)
+# (q_lens, num_tokens): a prefill bucket, and a decode bucket (no more tokens than sequences),
+# which takes the float8 pages' own tiles
+FP8_BUCKETS = {"prefill": ([7, 1, 0, 13, 1], 32), "decode": ([1, 1, 0, 1, 1], 6)}
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_triton_attention_reads_fp8_pages_poisoned(splits):
-    q_lens, ctx = [7, 1, 0, 13, 1], [40, 90, 0, 3, 200]
+@pytest.mark.parametrize("bucket,splits,soft_cap", [
+    ("prefill", 1, None), ("prefill", 3, None), ("decode", 1, None), ("decode", 3, None),
+    ("decode", 1, 30.0)])
+def test_triton_attention_reads_fp8_pages_poisoned(bucket, splits, soft_cap):
+    """q runs scaled in float16 against the float8 pages, the soft cap's scale included."""
+    q_lens, num_tokens = FP8_BUCKETS[bucket]
+    ctx = [40, 300, 0, 3, 200]
     args = make_batch(30 + splits, q_lens, np.add(ctx, q_lens), num_q_heads=8, num_kv_heads=2,
-                      head_dim=64, page_size=16, max_seqs=6, num_tokens=32)
+                      head_dim=64, page_size=16, max_seqs=6, num_tokens=num_tokens)
     q, k_cache, v_cache, *rest = args
     fp8_args = (q.astype(jnp.bfloat16), to_fp8(k_cache, 0.25), to_fp8(v_cache, 4.0), *rest)
     poisoned, clean = poison(fp8_args)
     ref = check_fp8(poisoned, ref_args=clean, k_scale=0.25, v_scale=4.0, tol=2e-2, sm_scale=0.125,
-                    num_kv_splits=splits)
+                    num_kv_splits=splits, soft_cap=soft_cap)
     # and the FP8 pages are close to the 16-bit attention they stand for
-    exact = ragged_paged_attention_reference(*args, sm_scale=0.125)
+    exact = ragged_paged_attention_reference(*args, sm_scale=0.125, soft_cap=soft_cap)
     live = int(args[5][len(q_lens)])
     assert rel_err(ref[:live], exact[:live]) < 0.1
 
