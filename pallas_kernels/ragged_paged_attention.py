@@ -105,7 +105,7 @@ def _next_pow2(n: int) -> int:
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
                       group_pad, block_q, block_k, page_size, num_splits, num_sms, k_scale,
-                      v_scale, fp8_pages):
+                      v_scale):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -126,7 +126,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         dims = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
         row_idx = (token[:, None], head[:, None], dims)
         q = pltriton.load(q_ref.at[row_idx], mask=row_valid[:, None], other=0)  # [R, D]
-        scaled_q = fp8_pages and q.dtype.itemsize == 2
+        scaled_q = k_ref.dtype == jnp.float8_e4m3fn and q.dtype.itemsize == 2
         if scaled_q:
             # float8 pages widen to float16 in one instruction per pair on sm_90 (to bf16 it
             # takes several), so the dots run in float16; q, scaled first, is well in its range
@@ -346,8 +346,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale,
-        fp8_pages=fp8_pages)
+        num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
               k_cache.reshape(flat), v_cache.reshape(flat))
     outs = pl.pallas_call(
