@@ -76,11 +76,11 @@ def jaxllm_engine(model_dir: str, dtype: str, dummy: bool, batch: int, max_len: 
 
 def agreement(llm, peer, ids: list[list[int]]) -> float:
     """The least cosine similarity between jaxllm's and the peer's embedding of a prompt."""
+    from jaxllm.engine.pooling_inputs import cosine
+
     ours = np.array([o.outputs.embedding for o in llm.embed(ids, use_tqdm=False)])
     theirs = peer.embed(ids).float().cpu().numpy()
-    cos = (ours * theirs).sum(-1) / (np.linalg.norm(ours, axis=-1)
-                                     * np.linalg.norm(theirs, axis=-1))
-    return float(cos.min())
+    return min(map(cosine, ours, theirs))
 
 
 def jaxllm_throughput(llm, batches: list, repeats: int) -> float:

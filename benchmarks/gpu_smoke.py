@@ -335,19 +335,17 @@ def judge(rows: list[dict]) -> None:
 
 
 def _judge_embeddings(row: dict, group: list[dict]) -> str:
+    from jaxllm.engine.pooling_inputs import cosine
+
     if row["expect_error"]:
         return "FAIL: started, but an error was expected"
     ours = np.array(row["embeddings"])
     if not np.isfinite(ours).all():
         return "FAIL: non-finite embeddings"
     peers = [p for p in group if "embeddings" in p and p is not row]
-    parted = [p["case"] for p in peers if _least_cosine(ours, np.array(p["embeddings"]))
+    parted = [p["case"] for p in peers if min(map(cosine, ours, np.array(p["embeddings"])))
               < COSINE[row["dtype"]]]
     return f"FAIL: embeddings differ from {parted}" if parted else f"ok ({len(peers)} peers agree)"
-
-
-def _least_cosine(a, b) -> float:
-    return float(((a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)).min())
 
 
 def _group(row: dict) -> tuple:

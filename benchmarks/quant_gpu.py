@@ -120,8 +120,8 @@ def main() -> None:
         gc.collect()
         return LLM(**{**base, **kw})
 
-    for kind, kw in (("bf16", {}), ("fp8", {"quantization": "fp8"}), ("int4", {})) * (
-            "batch1" in cli.tests):
+    batch1 = (("bf16", {}), ("fp8", {"quantization": "fp8"}), ("int4", {}))
+    for kind, kw in batch1 if "batch1" in cli.tests else ():
         llm = build(max_num_seqs=1, enforce_eager=kind == "int4" or cli.cpu, **kw)
         if kind == "int4":
             llm.llm_engine.runner.params = random_int4(llm.llm_engine.runner.params)

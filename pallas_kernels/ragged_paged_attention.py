@@ -147,10 +147,9 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         dot_precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                          else jax.lax.Precision.DEFAULT)
         # Base-2 softmax (exp2 is one instruction); without a soft cap the scale and log2(e)
-        # fold into one multiply of the scores.
-        qk_scale = (sm_scale * _LOG2E if soft_cap is None else sm_scale / soft_cap) * k_scale
-        if scaled_q:
-            qk_scale /= sm_scale
+        # fold into one multiply of the scores (sm_scale not again where q carries it).
+        q_scale = 1.0 if scaled_q else sm_scale
+        qk_scale = (q_scale * _LOG2E if soft_cap is None else q_scale / soft_cap) * k_scale
 
         def tile_slots(t, kv_pos, kv_valid):
             """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""

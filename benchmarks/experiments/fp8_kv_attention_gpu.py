@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.bench import HEADS, attn_args, kv_bytes, random_batch, rel_err
 from pallas_kernels.ceilings import measure_ceilings, time_chain
-from pallas_kernels.ragged_paged_attention import (_triton_attention,
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 
 FP8 = jnp.float8_e4m3fn
@@ -49,9 +49,9 @@ def main() -> None:
                 # the batch goes in as an argument: closed over, XLA would embed it as constants
                 def call(q, i, batch, cache=cache, tiles=tiles):
                     args = attn_args(batch, i % batch["block_tables"].shape[0])
-                    return _triton_attention(q, *args[1:], sm_scale=0.088, interpret=cli.cpu,
-                                             k_scale=1.0 if cache == "bf16" else 2.0,
-                                             **tiles)
+                    return ragged_paged_attention(
+                        q, *args[1:], sm_scale=0.088, interpret=cli.cpu, implementation="triton",
+                        k_scale=1.0 if cache == "bf16" else 2.0, **tiles)
                 row = dict(seqs=seqs, ctx=ctx, cache=cache, **tiles)
                 try:
                     out = jax.jit(call, static_argnums=1)(b["q"], 0, batch)
