@@ -25,6 +25,10 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
 _MASK_INIT = -1e30
+# A float8_e4m3fn byte's bits placed in a float16 (sign to the top, exponent and mantissa below
+# it) read the value over 2^(15 - 7), the ratio of the two formats' exponent biases; exact for
+# every finite value, subnormals included.
+_FP8_IN_F16_SCALE = 256.0
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
@@ -102,6 +106,17 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _fp8_pairs_to_f16(words):
+    """words [.., n] int16, each two float8_e4m3fn values (d = 2i low byte, 2i + 1 high) -> the
+    even and the odd values [.., n] float16, each over _FP8_IN_F16_SCALE, by integer ops: a
+    byte at the top of the word, shifted right by one (arithmetic: the sign stays and repeats
+    below it), is in place once the repeat (bit 14) and the bits below the byte are cleared."""
+    even = ((words << 8) >> 1) & jnp.int16(-0x4001)  # 0xBFFF
+    odd = (words >> 1) & jnp.int16(-0x4080)  # 0xBF80
+    return (jax.lax.bitcast_convert_type(even, jnp.float16),
+            jax.lax.bitcast_convert_type(odd, jnp.float16))
+
+
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
                       group_pad, block_q, block_k, page_size, num_splits, num_sms, k_scale,
@@ -124,8 +139,14 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         q_pos = kv_len - (q_end - q_start) + token - q_start  # [R]
         # Every index an array (broadcast to the loaded shape): Triton gathers, interpret agrees.
         dims = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
-        row_idx = (token[:, None], head[:, None], dims)
-        q = pltriton.load(q_ref.at[row_idx], mask=row_valid[:, None], other=0)  # [R, D]
+        # V as int16 pairs of float8 values: its dot's operand is then a 16-bit tile, which the
+        # GPU transposes on its way from shared memory (a float8 one it gathers byte by byte);
+        # the dot runs on the even and the odd dims apart
+        v_pairs = v_ref.dtype == jnp.int16
+        pair = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D / 2] where pairs
+        out_dims = (2 * pair, 2 * pair + 1) if v_pairs else (dims,)
+        q = pltriton.load(q_ref.at[token[:, None], head[:, None], dims], mask=row_valid[:, None],
+                          other=0)  # [R, D]
         scaled_q = k_ref.dtype == jnp.float8_e4m3fn and q.dtype.itemsize == 2
         if scaled_q:
             # float8 pages widen to float16 in one instruction per pair on sm_90 (to bf16 it
@@ -170,12 +191,15 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
             kv_valid = kv_pos < kv_hi if masked else None
             # dims (an arange) last and unit-stride: Triton vectorises the loads along D
-            kv_idx = (tile_slots(t, kv_pos, kv_valid)[:, None], kv_head, dims)
-            load_kw = dict(mask=kv_valid[:, None], other=0.0) if masked else {}
+            slots = tile_slots(t, kv_pos, kv_valid)[:, None]
+            load = lambda ref, cols, zero: pltriton.load(
+                ref.at[slots, kv_head, cols], mask=kv_valid[:, None] if masked else None,
+                other=zero if masked else None)
             # a float8 cache is widened to the dots' dtype in registers (its scales fold into
             # qk_scale and the output)
-            k = pltriton.load(k_ref.at[kv_idx], **load_kw).astype(q.dtype)  # [Bk, D]
-            v = pltriton.load(v_ref.at[kv_idx], **load_kw).astype(q.dtype)
+            k = load(k_ref, dims, 0.0).astype(q.dtype)  # [Bk, D]
+            v = load(v_ref, pair, 0) if v_pairs else load(v_ref, dims, 0.0)
+            v_parts = _fp8_pairs_to_f16(v) if v_pairs else (v.astype(q.dtype),)  # [Bk, D or D/2]
             s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s)
@@ -190,12 +214,15 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             p = jnp.exp2(s - m_new[:, None])
             alpha = jnp.exp2(m - m_new)
-            acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=dot_precision)
+            acc = tuple(a * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v,
+                                                          precision=dot_precision)
+                        for a, v in zip(acc, v_parts))
             return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-        num_rows, head_dim = q.shape
+        num_rows = q.shape[0]
         carry = (jnp.full((num_rows,), _MASK_INIT, jnp.float32),
-                 jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, head_dim), jnp.float32))
+                 jnp.zeros((num_rows,), jnp.float32),
+                 tuple(jnp.zeros((num_rows, d.shape[1]), jnp.float32) for d in out_dims))
         # The split's tiles [t0, t1) in two runs: those every row sees whole (below first_pos),
         # then the diagonal / tail tiles. A window masks from below too: all tiles take the mask.
         t_masked = t0
@@ -205,11 +232,13 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
                                       carry)
         m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
                                       carry)
-        out = acc * (v_scale / jnp.maximum(l, 1e-30))[:, None]
-        if num_splits == 1:
-            pltriton.store(o_ref.at[row_idx], out.astype(o_ref.dtype), mask=row_valid[:, None])
-        else:  # each split leaves its normalised output and base-2 log-sum-exp (-inf when empty)
-            pltriton.store(o_ref.at[(split, *row_idx)], out, mask=row_valid[:, None])
+        out_scale = v_scale * (_FP8_IN_F16_SCALE if v_pairs else 1.0) / jnp.maximum(l, 1e-30)
+        # each split leaves its normalised output and base-2 log-sum-exp (-inf when empty)
+        at = () if num_splits == 1 else (split,)
+        for a, d in zip(acc, out_dims):
+            pltriton.store(o_ref.at[(*at, token[:, None], head[:, None], d)],
+                           (a * out_scale[:, None]).astype(o_ref.dtype), mask=row_valid[:, None])
+        if num_splits > 1:
             pltriton.store(lse_ref.at[split, token, head], m + jnp.log2(l), mask=row_valid)
 
 
@@ -301,10 +330,12 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
 def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                       sm_scale, sliding_window=None, soft_cap=None, interpret=False, block_q=None,
                       block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
-                      fill_value: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
+                      fill_value: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+                      v_pairs: bool | None = None):
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
     rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
-    element it should have written and did not shows."""
+    element it should have written and did not shows. v_pairs: read float8 V pages as int16
+    pairs (the kernel's v_pairs; default: in decode buckets, where q is 16-bit)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
@@ -346,8 +377,14 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
         num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale)
-    inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q,
-              k_cache.reshape(flat), v_cache.reshape(flat))
+    v_flat = v_cache.reshape(flat)
+    if v_pairs is None:
+        v_pairs = decode_bucket
+    if v_pairs and fp8_pages and q.dtype.itemsize == 2:
+        v_flat = jax.lax.bitcast_convert_type(v_flat.reshape(*flat[:2], head_dim // 2, 2),
+                                              jnp.int16)
+    inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q, k_cache.reshape(flat),
+              v_flat)
     outs = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, num_kv_heads, num_kv_splits),

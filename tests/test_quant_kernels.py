@@ -107,12 +107,13 @@ def test_int4_matmul_lowers_for_cuda():
 
 def test_fp8_linear_lowers_to_an_fp8_dot():
     """The GEMM XLA's GPU compiler maps to cuBLASLt's FP8 kernels: float8_e4m3fn operands, the
-    weight K-minor (Hopper's FP8 GEMMs take only that operand layout), fp32 accumulation."""
+    weight K-minor (Hopper's FP8 GEMMs take only that operand layout), the product in x's
+    dtype (the scales applied after it)."""
     w = quantize_fp8(jnp.zeros((512, 768), jnp.bfloat16))
     text = lower_for_h200(lambda x, w: linear(x, w), jax.ShapeDtypeStruct((4, 512), jnp.bfloat16),
                           jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w))
     dots = [line for line in text.splitlines() if "dot_general" in line]
-    assert any("f8E4M3FN" in d and "contracting_dims = [1] x [1]" in d and "-> tensor<4x768xf32>"
+    assert any("f8E4M3FN" in d and "contracting_dims = [1] x [1]" in d and "-> tensor<4x768xbf16>"
                in d for d in dots), dots
 
 
@@ -159,11 +160,13 @@ def check_fp8(args, *, k_scale, v_scale, tol, ref_args=None, **kw):
 FP8_BUCKETS = {"prefill": ([7, 1, 0, 13, 1], 32), "decode": ([1, 1, 0, 1, 1], 6)}
 
 
-@pytest.mark.parametrize("bucket,splits,soft_cap", [
-    ("prefill", 1, None), ("prefill", 3, None), ("decode", 1, None), ("decode", 3, None),
-    ("decode", 1, 30.0)])
-def test_triton_attention_reads_fp8_pages_poisoned(bucket, splits, soft_cap):
-    """q runs scaled in float16 against the float8 pages, the soft cap's scale included."""
+@pytest.mark.parametrize("bucket,splits,soft_cap,v_pairs", [
+    ("prefill", 1, None, None), ("prefill", 3, None, None), ("prefill", 1, None, True),
+    ("decode", 1, None, None), ("decode", 3, None, None), ("decode", 1, 30.0, None),
+    ("decode", 1, None, False)])
+def test_triton_attention_reads_fp8_pages_poisoned(bucket, splits, soft_cap, v_pairs):
+    """q runs scaled in float16 against the float8 pages, the soft cap's scale included; V read
+    as float8 or as int16 pairs (each bucket's default, and the other)."""
     q_lens, num_tokens = FP8_BUCKETS[bucket]
     ctx = [40, 300, 0, 3, 200]
     args = make_batch(30 + splits, q_lens, np.add(ctx, q_lens), num_q_heads=8, num_kv_heads=2,
@@ -172,7 +175,7 @@ def test_triton_attention_reads_fp8_pages_poisoned(bucket, splits, soft_cap):
     fp8_args = (q.astype(jnp.bfloat16), to_fp8(k_cache, 0.25), to_fp8(v_cache, 4.0), *rest)
     poisoned, clean = poison(fp8_args)
     ref = check_fp8(poisoned, ref_args=clean, k_scale=0.25, v_scale=4.0, tol=2e-2, sm_scale=0.125,
-                    num_kv_splits=splits, soft_cap=soft_cap)
+                    num_kv_splits=splits, soft_cap=soft_cap, v_pairs=v_pairs)
     # and the FP8 pages are close to the 16-bit attention they stand for
     exact = ragged_paged_attention_reference(*args, sm_scale=0.125, soft_cap=soft_cap)
     live = int(args[5][len(q_lens)])

@@ -37,7 +37,7 @@ def write_ttir(a) -> None:
     lower = lowering.lower_jaxpr_to_triton_module
     lowering.lower_jaxpr_to_triton_module = lambda *x, **k: modules.append(lower(*x, **k)) or modules[-1]
     sds = jax.ShapeDtypeStruct
-    cache = sds((512, 16, 8, 128), jnp.bfloat16)
+    cache = sds((512, 16, 8, 128), jnp.dtype(a.kv_dtype))
     s = a.max_seqs
     args = (sds((a.num_tokens, 32, 128), jnp.bfloat16), cache, cache, sds((s,), jnp.int32),
             sds((s, 256), jnp.int32), sds((s + 1,), jnp.int32), sds((1,), jnp.int32))
@@ -53,8 +53,9 @@ def write_ttir(a) -> None:
             block_sizes=attention.BlockSizes(block_q=64, block_k=64), num_warps=4,
             num_stages=3), q, q, q)
     else:
+        scales = {} if a.kv_dtype == "bfloat16" else dict(k_scale=2.0, v_scale=0.5)
         lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.088,
-                                         **tiles), *args)
+                                         **tiles, **scales), *args)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernel.ttir"), "w") as f:
         f.write(str(modules[-1].module))
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--jax-mha", action="store_true", help="jax's dense kernel instead")
     parser.add_argument("--num-tokens", type=int, default=2048, help="the bucket (decode: = seqs)")
     parser.add_argument("--max-seqs", type=int, default=4)
+    parser.add_argument("--kv-dtype", default="bfloat16", help="the pages' dtype (float8_e4m3fn)")
     parser.add_argument("--block-q", type=int)
     parser.add_argument("--block-k", type=int)
     parser.add_argument("--compile", help="a .ttir to compile and report on (triton's Python)")
