@@ -274,7 +274,7 @@ def test_tp2_quantized_linears_lower_for_cuda(monkeypatch):
     fp8 = Fp8Weight(sds((n, k), jnp.float8_e4m3fn, None, "tensor"), sds((n,), jnp.float32))
     text = lower_for_h200(linear, x_rows, fp8, mesh=mesh)
     dot = next(line for line in text.splitlines() if "stablehlo.dot_general" in line)
-    assert "(tensor<16x4096xf8E4M3FN>, tensor<1024x4096xf8E4M3FN>) -> tensor<16x1024xf32>" in dot
+    assert "(tensor<16x4096xf8E4M3FN>, tensor<1024x4096xf8E4M3FN>) -> tensor<16x1024xbf16>" in dot
 
 
 if __name__ == "__main__":
