@@ -347,8 +347,8 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     # The tiling sweeps (`python -m pallas_kernels.bench --sections sweep`, docs/lab/): 16-bit
     # decode reads 128-token KV tiles best (8 warps and 3 stages without splits, 4 and 2 with),
     # prefill 64-token tiles with 2 stages. Wider tiles of fp32 or head_dim 256 would not fit
-    # shared memory at those depths. Float8 pages read fastest in 64-token tiles, 4 warps and
-    # 3 stages (benchmarks/experiments/fp8_kv_attention_gpu.py).
+    # shared memory at those depths. Float8 pages (V as int16 pairs) read fastest in 64-token
+    # tiles, 4 warps and 2 stages (benchmarks/experiments/fp8_kv_attention_gpu.py).
     fp8_pages = k_cache.dtype == jnp.float8_e4m3fn
     decode_16bit = decode_bucket and q.dtype.itemsize <= 2 and head_dim <= 128
     wide_tiles = decode_16bit and not fp8_pages
@@ -357,7 +357,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     num_tiles = pl.cdiv(max_pages * page_size, block_k)
     if num_kv_splits is None:
         num_kv_splits = _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles)
-    deep = decode_16bit and num_kv_splits == 1
+    deep = wide_tiles and num_kv_splits == 1
     if block_q * group_pad < 16 or block_q & (block_q - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_q * {group_pad} (={block_q * group_pad}) and block_k={block_k} "
                          "must be powers of two >= 16")
@@ -391,7 +391,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_init],
         input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
         compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps or (8 if wide_tiles and deep else 4),
+            num_warps=num_warps or (8 if deep else 4),
             num_stages=num_stages or (3 if deep else 2)),
         interpret=interpret,
         name="ragged_paged_attention",
