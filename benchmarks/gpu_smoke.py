@@ -105,6 +105,11 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     # the features that change the step: FP8 pages (Triton reads them), FP8 weights, speculation
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, kv_cache_dtype="fp8")
               for backend in ("pallas", "triton", "xla")]
+    # FP8 pages at the small sizes (split-KV decode buckets) and with float16 q
+    cases += [Case(tiny, dtype, length, block, seqs, backend, kv_cache_dtype="fp8")
+              for dtype, length, block, seqs in (("bfloat16", 2048, 16, 1),
+                                                 ("float16", 777, 32, 2))
+              for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, quantization="fp8")
               for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
