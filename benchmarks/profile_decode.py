@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--workload", help="IN,OUT,PROMPTS of an offline run to profile")
@@ -152,7 +153,7 @@ def main() -> None:
     dummy = not os.path.isdir(a.model)
     llm = LLM(a.model, load_format="dummy" if dummy else "auto",
               dtype="bfloat16" if dummy else "auto", max_model_len=4096 if dummy else 512,
-              max_num_seqs=256, max_num_batched_tokens=2048,
+              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=max(2048, a.max_num_seqs),
               enforce_eager=not a.workload,  # a workload's windows must not compile buckets
               async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
               quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
