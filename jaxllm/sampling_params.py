@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 # The sampler always computes this many top logprobs when any request asks for logprobs, so the
 # jitted step has one shape; OpenAI caps top_logprobs at 20 as well.
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(Enum):
+    """Which outputs a request yields (vLLM's): everything so far at every step, or one output
+    when it finishes (what LLM.generate asks for: no output is built per step)."""
+    CUMULATIVE = 0
+    DELTA = 1  # refused: not implemented
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -30,6 +39,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: EOS and generation-config stop ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -74,6 +84,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if self.output_kind == RequestOutputKind.DELTA:
+            raise ValueError("output_kind DELTA is not supported; use CUMULATIVE or FINAL_ONLY.")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ import pytest
 from conftest import CompileCounter
 from jaxllm import LLM, SamplingParams
 from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID
+from jaxllm.sampling_params import RequestOutputKind
 
 NUM_NEW_TOKENS = 32
 
@@ -262,6 +263,29 @@ def test_n_children_take_turns_with_later_requests_and_greedy_is_unchanged(
     assert_all_blocks_free(llm)
 
 
+def test_final_only_outputs_once_and_generate_leaves_params_alone(llm):
+    """FINAL_ONLY (what LLM.generate asks for) yields one output, when the last child ends, equal
+    to the final CUMULATIVE one; the caller's params keep their kind."""
+    engine = llm.llm_engine
+    kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "final": RequestOutputKind.FINAL_ONLY}
+    for request_id, kind in kinds.items():
+        engine.add_request(request_id, [5, 6, 7], SamplingParams(
+            n=2, temperature=0.0, max_tokens=4 + len(request_id), output_kind=kind))
+    seen = {request_id: [] for request_id in kinds}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["cumulative"]) > 1 and [o.finished for o in seen["final"]] == [True]
+    final, cumulative = seen["final"][0], seen["cumulative"][-1]
+    assert [len(c.token_ids) for c in final.outputs] == [9, 9]
+    assert [c.token_ids[:4] for c in final.outputs] == [c.token_ids[:4]
+                                                        for c in cumulative.outputs]
+    params = greedy(3)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    assert_all_blocks_free(llm)
+
+
 def test_stop_token_ids_and_max_tokens(llm):
     first = llm.generate([[9, 10, 11]], greedy(8), use_tqdm=False)[0].outputs[0]
     stop_at = first.token_ids[3]
@@ -288,6 +312,7 @@ def test_bad_input_raises_and_leaks_nothing(llm, prompt, params, match):
     (dict(top_p=0.0), "top_p must be in"),
     (dict(top_p=1.5), "top_p must be in"),
     (dict(temperature=-1.0), "temperature must be non-negative"),
+    (dict(output_kind=RequestOutputKind.DELTA), "output_kind DELTA is not supported"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

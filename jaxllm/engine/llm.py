@@ -3,6 +3,7 @@ for pooling models .embed(), .classify(), .score(), .encode() (engine/llm_poolin
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -15,7 +16,7 @@ from jaxllm.engine.pooling_engine import PoolingEngine
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.lora.request import LoRARequest, per_prompt
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 # A dict is vLLM's TextPrompt / TokensPrompt: "prompt" and/or "prompt_token_ids", and an optional
 # "cache_salt" (requests share cached KV only under the same salt).
@@ -65,7 +66,7 @@ class LLM(PoolingAPI):
         lora_requests = per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
-            for prompt, params, lora in zip(prompts, sampling_params, lora_requests):
+            for prompt, params, lora in zip(prompts, _final_only(sampling_params), lora_requests):
                 processed = self.input_processor.process(prompt)
                 request_id = str(next(self._request_counter))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -121,3 +122,13 @@ class LLM(PoolingAPI):
             bar.close()
         return [finished[r] for r in request_ids]
 
+
+def _final_only(sampling_params: Sequence[SamplingParams]) -> list[SamplingParams]:
+    """Copies asking for the final output only (LLM.generate returns nothing else, so no output
+    is built per step); one copy per distinct object."""
+    copies: dict[int, SamplingParams] = {}
+    for params in sampling_params:
+        if id(params) not in copies:
+            copies[id(params)] = dataclasses.replace(
+                params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [copies[id(params)] for params in sampling_params]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.detok.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -95,6 +96,9 @@ class OutputProcessor:
             for token, entry in zip(new_tokens, logprobs.get(request.request_id, ())):
                 self._append_logprobs(child, token, entry)
             finish_reason = "stop" if stop_str is not None else request.get_finished_reason()
+            final_only = request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+            if finish_reason is None and final_only:
+                continue
             text = (child.detokenizer.get_next_output_text(finish_reason is not None, delta=False)
                     if child.detokenizer else "")
             child.completion = CompletionOutput(
@@ -105,7 +109,8 @@ class OutputProcessor:
                 stop_reason=request.stop_reason)
             if finish_reason is not None:
                 parent.num_unfinished -= 1
-            touched[parent_id] = parent
+            if parent.num_unfinished == 0 or not final_only:
+                touched[parent_id] = parent
         outputs = [self._make_output(parent) for parent in touched.values()]
         return outputs, stopped_by_string
 
