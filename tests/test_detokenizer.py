@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxllm.detok import IncrementalDetokenizer, find_stop_string
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. Hello world, hello again!",
           "你好，世界。今天天气很好。", "Stop here. END of text. Ünïcödé façade naïve café."]
@@ -52,6 +52,28 @@ def test_incremental_equals_full_decode_and_never_emits_broken_characters(tokeni
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == detok.output_text == tokenizer.decode(ids) == text
     assert detok.token_ids == ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_final_only_decodes_once_at_the_end_to_the_same_text(tokenizer, text):
+    """FINAL_ONLY without stop strings: no text until the final output is asked for, then the
+    text the per-step detokenizer builds (an EOS-like last token left out); with stop strings
+    it still decodes as it goes, to find them."""
+    prompt, ids = tokenizer.encode("hello ").ids, tokenizer.encode(text).ids
+    final = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    per_step, deferred = (IncrementalDetokenizer(tokenizer, prompt, p)
+                          for p in (SamplingParams(), final))
+    for detok in (per_step, deferred):
+        for i in range(0, len(ids) - 1, 3):
+            detok.update(ids[i:min(i + 3, len(ids) - 1)])
+        detok.update(ids[-1:], stop_terminated=True)
+    assert deferred.output_text == "" and deferred.token_ids == ids
+    assert (deferred.get_next_output_text(finished=True, delta=False)
+            == per_step.get_next_output_text(finished=True, delta=False)
+            == tokenizer.decode(ids[:-1]))
+    stops = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(
+        stop=[text[-4:]], output_kind=RequestOutputKind.FINAL_ONLY))
+    assert stops.update(ids) == text[-4:]
 
 
 def test_skip_special_tokens(tokenizer):

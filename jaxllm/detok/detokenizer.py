@@ -22,7 +22,7 @@ import logging
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,11 @@ class IncrementalDetokenizer:
                                    if self.stop and not self.include_stop_str_in_output else 0)
         self.token_ids: list[int] = []  # output tokens only
         self.output_text = ""
+        # Without stop strings a request that wants only its final output needs no text before
+        # it finishes: its tokens wait here and go through the stream then (the same steps).
+        self.deferred = (not self.stop and
+                         sampling_params.output_kind == RequestOutputKind.FINAL_ONLY)
+        self._pending: list[int] = []  # deferred tokens whose text is not in output_text yet
         self._streamed_chars = 0
         self.stream = DecodeStream(ids=self._priming_ids(prompt_token_ids),
                                    skip_special_tokens=self.skip_special_tokens)
@@ -97,6 +102,10 @@ class IncrementalDetokenizer:
         skipped = None
         if stop_terminated and not self.include_stop_str_in_output:
             skipped, new_token_ids = new_token_ids[-1], new_token_ids[:-1]
+        if self.deferred:
+            self.token_ids.extend(new_token_ids)
+            self._pending.extend(new_token_ids)
+            new_token_ids = ()
         for index, token_id in enumerate(new_token_ids):
             stop_check_offset = len(self.output_text)
             self.token_ids.append(token_id)
@@ -129,6 +138,9 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to stream: everything (delta=False) or what is new since the last delta call,
         minus the held-back tail that could still turn out to be the start of a stop string."""
+        if self._pending:
+            self.output_text += "".join(filter(None, map(self._step, self._pending)))
+            self._pending = []
         buffer = 0 if finished else self.stop_buffer_length
         end = len(self.output_text) - buffer
         if not delta:
