@@ -335,7 +335,8 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
     rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
     element it should have written and did not shows. v_pairs: read float8 V pages as int16
-    pairs (the kernel's v_pairs; default: in decode buckets, where q is 16-bit)."""
+    pairs (the kernel's v_pairs; default: in decode buckets without KV splits, where q is
+    16-bit: benchmarks/experiments/fp8_kv_attention_gpu.py)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
@@ -379,7 +380,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale)
     v_flat = v_cache.reshape(flat)
     if v_pairs is None:
-        v_pairs = decode_bucket
+        v_pairs = decode_bucket and num_kv_splits == 1
     if v_pairs and fp8_pages and q.dtype.itemsize == 2:
         v_flat = jax.lax.bitcast_convert_type(v_flat.reshape(*flat[:2], head_dim // 2, 2),
                                               jnp.int16)

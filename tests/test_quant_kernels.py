@@ -163,7 +163,7 @@ FP8_BUCKETS = {"prefill": ([7, 1, 0, 13, 1], 32), "decode": ([1, 1, 0, 1, 1], 6)
 @pytest.mark.parametrize("bucket,splits,soft_cap,v_pairs", [
     ("prefill", 1, None, None), ("prefill", 3, None, None), ("prefill", 1, None, True),
     ("decode", 1, None, None), ("decode", 3, None, None), ("decode", 1, 30.0, None),
-    ("decode", 1, None, False)])
+    ("decode", 1, None, False), ("decode", 3, None, True)])
 def test_triton_attention_reads_fp8_pages_poisoned(bucket, splits, soft_cap, v_pairs):
     """q runs scaled in float16 against the float8 pages, the soft cap's scale included; V read
     as float8 or as int16 pairs (each bucket's default, and the other)."""
@@ -194,7 +194,7 @@ def test_fp8_cache_routes_prefill_to_triton_and_refuses_mosaic():
 def test_fp8_cache_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
     cache = sds((64, 16, 8, 128), FP8)
-    for num_tokens, splits in ((8, 4), (64, 1)):
+    for num_tokens, splits in ((8, 4), (8, 1), (64, 1)):  # decode: V as float8, as pairs
         args = (sds((num_tokens, 32, 128), jnp.bfloat16), cache, cache, sds((8,), jnp.int32),
                 sds((8, 16), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
         fn = functools.partial(ragged_paged_attention, sm_scale=0.1, num_kv_splits=splits,
