@@ -104,9 +104,9 @@ def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
     # axis (w_gate_up's I) with an unsplit one, which GSPMD can only do by gathering
     out_ndim = w.values.ndim - 1
     xq, x_scale = quantize_fp8_rows(x)
-    # the GEMM (fp32 accumulation) writes x's dtype: an fp32 product would be written and read
-    # back once more only to be scaled, the scales being per token and channel (cuBLASLt folds
-    # only per-tensor ones); the scaling fuses into what reads the product
+    # the product asked for in x's dtype (the GEMM accumulates in fp32): an fp32 product is
+    # written and read back only to be scaled, the scales being per token and channel (cuBLASLt
+    # folds only per-tensor ones); XLA may still widen a GEMM's output into its scaling
     y = jax.lax.dot_general(xq, w.values, (((1,), (out_ndim,)), ((), ())),
                             preferred_element_type=x.dtype)  # [T, *out]
     y = y.astype(jnp.float32) * x_scale.reshape(-1, *([1] * out_ndim)) * w.scale
