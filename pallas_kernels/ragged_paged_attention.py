@@ -143,8 +143,8 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # GPU transposes on its way from shared memory (a float8 one it gathers byte by byte);
         # the dot runs on the even and the odd dims apart
         v_pairs = v_ref.dtype == jnp.int16
-        pair = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D / 2] where pairs
-        out_dims = (2 * pair, 2 * pair + 1) if v_pairs else (dims,)
+        v_cols = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D], D / 2 if pairs
+        out_dims = (2 * v_cols, 2 * v_cols + 1) if v_pairs else (v_cols,)
         q = pltriton.load(q_ref.at[token[:, None], head[:, None], dims], mask=row_valid[:, None],
                           other=0)  # [R, D]
         scaled_q = k_ref.dtype == jnp.float8_e4m3fn and q.dtype.itemsize == 2
@@ -198,7 +198,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             # a float8 cache is widened to the dots' dtype in registers (its scales fold into
             # qk_scale and the output)
             k = load(k_ref, dims, 0.0).astype(q.dtype)  # [Bk, D]
-            v = load(v_ref, pair, 0) if v_pairs else load(v_ref, dims, 0.0)
+            v = load(v_ref, v_cols, 0 if v_pairs else 0.0)
             v_parts = _fp8_pairs_to_f16(v) if v_pairs else (v.astype(q.dtype),)  # [Bk, D or D/2]
             s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:

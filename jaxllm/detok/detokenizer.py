@@ -71,7 +71,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         # Without stop strings a request that wants only its final output needs no text before
         # it finishes: its tokens wait here and go through the stream then (the same steps).
-        self.deferred = (not self.stop and
+        self._deferred = (not self.stop and
                          sampling_params.output_kind == RequestOutputKind.FINAL_ONLY)
         self._pending: list[int] = []  # deferred tokens whose text is not in output_text yet
         self._streamed_chars = 0
@@ -102,7 +102,7 @@ class IncrementalDetokenizer:
         skipped = None
         if stop_terminated and not self.include_stop_str_in_output:
             skipped, new_token_ids = new_token_ids[-1], new_token_ids[:-1]
-        if self.deferred:
+        if self._deferred:
             self.token_ids.extend(new_token_ids)
             self._pending.extend(new_token_ids)
             new_token_ids = ()
