@@ -112,6 +112,12 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
               for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, quantization="fp8")
               for backend in ("pallas", "xla")]
+    # FP8 weights (the SwiGLU quantisation kernel) at one and 256 sequences, and with float16
+    cases += [Case(tiny, dtype, length, block, seqs, backend, quantization="fp8")
+              for dtype, length, block, seqs in (("bfloat16", 2048, 16, 1),
+                                                 ("bfloat16", 2048, 16, 256),
+                                                 ("float16", 777, 32, 2))
+              for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", eagle=True) for seqs in (1, 8)]

@@ -47,6 +47,19 @@ def test_fp8_linear_with_per_token_activations():
         assert np.linalg.norm(got[t] - want[t]) / np.linalg.norm(want[t]) < 0.05
 
 
+def test_fp8_linear_in_float16_stays_finite():
+    """A float16 model's FP8 product is not written in float16: unscaled products of float8
+    values (up to 448 each) over K = 4096 overflow it."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 4096)).astype(np.float32)
+    w = (rng.standard_normal((4096, 256)) * 0.02).astype(np.float32)
+    got = np.asarray(linear(jnp.asarray(x, jnp.float16), quantize_fp8(jnp.asarray(w, jnp.float16))),
+                     np.float32)
+    want = x @ w
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+
+
 # -- GPTQ and AWQ: packing written here from the formats' definitions -------------------------
 def gptq_pack(q, zeros, v1=True):
     """qweight[r, n] nibble i = q[8r + i, n]; qzeros[g, c] nibble i = zeros[g, 8c + i] (- 1)."""

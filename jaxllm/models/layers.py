@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.args import ModelArgs
-from jaxllm.models.quant import linear
+from jaxllm.models.quant import Fp8Weight, fp8_swiglu, linear, on_one_device
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -60,11 +60,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None) -> jax.Array:
     """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I].
     lora: a models.lora.TokenLoRA, whose updates add onto both projections."""
-    gate_up = linear(x, layer["w_gate_up"])
+    w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
+    if (lora is None and isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
+            and on_one_device()):
+        return fp8_swiglu(x, w_gate_up, w_down)
+    gate_up = linear(x, w_gate_up)
     if lora is not None:
         gate_up = lora.add(gate_up, x, "gate_up")
     hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-    down = linear(hidden, layer["w_down"])
+    down = linear(hidden, w_down)
     return down if lora is None else lora.add(down, hidden, "down")
 
 

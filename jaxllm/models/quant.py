@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import quant_matmul
+from pallas_kernels import quant_matmul, silu_mul_fp8
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
@@ -100,17 +100,50 @@ def linear(x: jax.Array, w) -> jax.Array:
 
 
 def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
-    # values' output axes kept (no reshape to [N, K]): a reshape would merge a split output
-    # axis (w_gate_up's I) with an unsplit one, which GSPMD can only do by gathering
-    out_ndim = w.values.ndim - 1
     xq, x_scale = quantize_fp8_rows(x)
-    # the product asked for in x's dtype (the GEMM accumulates in fp32): an fp32 product is
-    # written and read back only to be scaled, the scales being per token and channel (cuBLASLt
-    # folds only per-tensor ones); XLA may still widen a GEMM's output into its scaling
-    y = jax.lax.dot_general(xq, w.values, (((1,), (out_ndim,)), ((), ())),
-                            preferred_element_type=x.dtype)  # [T, *out]
-    y = y.astype(jnp.float32) * x_scale.reshape(-1, *([1] * out_ndim)) * w.scale
-    return y.astype(x.dtype)
+    return _fp8_scaled(_fp8_dot(xq, w, x.dtype), x_scale, w.scale, x.dtype)
+
+
+def _fp8_dot(xq: jax.Array, w: Fp8Weight, dtype) -> jax.Array:
+    """xq [T, K] float8 @ w -> [T, *out], unscaled, for a model of `dtype`. The GEMM
+    accumulates in fp32 and writes bf16 for a bf16 model: an fp32 product would be written and
+    read back only to be scaled, the scales being per token and channel (cuBLASLt folds only
+    per-tensor ones); XLA may still widen a GEMM's output into its scaling. Other models get
+    fp32: unscaled products of float8 values (up to 448 each) overflow float16. w's output axes
+    are kept (no reshape to [N, K]): a reshape would merge a split output axis (w_gate_up's I)
+    with an unsplit one, which GSPMD can only do by gathering."""
+    out_ndim = w.values.ndim - 1
+    product = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
+    return jax.lax.dot_general(xq, w.values, (((1,), (out_ndim,)), ((), ())),
+                               preferred_element_type=product)  # [T, *out]
+
+
+def _fp8_scaled(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype) -> jax.Array:
+    """_fp8_dot's product [T, *out] times the token scales x_scale [T, 1] and channel scales
+    w_scale [*out], in fp32, to dtype."""
+    x_scale = x_scale.reshape(-1, *([1] * (y.ndim - 1)))
+    return (y.astype(jnp.float32) * x_scale * w_scale).astype(dtype)
+
+
+def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with both GEMMs FP8, on one device: the down projection's
+    operand (silu(gate) * up quantised per token) comes from one kernel reading the gate/up
+    GEMM's unscaled product (pallas_kernels/silu_mul_fp8.py), where XLA would spend two passes
+    over it. w_gate_up [H, 2, I], w_down [I, H]; x [T, H] -> [T, H]."""
+    xq, x_scale = quantize_fp8_rows(x)
+    y = _fp8_dot(xq, w_gate_up, x.dtype)  # [T, 2, I]
+    quantize = (silu_mul_fp8.silu_mul_fp8 if jax.default_backend() == "gpu"
+                else silu_mul_fp8.silu_mul_fp8_reference)
+    hq, h_scale = quantize(y.reshape(y.shape[0], -1), x_scale[:, 0],
+                           w_gate_up.scale.reshape(-1))
+    return _fp8_scaled(_fp8_dot(hq, w_down, x.dtype), h_scale, w_down.scale, x.dtype)
+
+
+def on_one_device() -> bool:
+    """Whether the traced step runs on one device (no mesh, or a mesh of one): a kernel then
+    needs no shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
 
 
 def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:

@@ -1,0 +1,83 @@
+"""One GPU call, ~2 minutes: the SwiGLU quantisation kernel (pallas_kernels/silu_mul_fp8.py)
+against what XLA made of the same step before it (the gate/up product scaled to bf16, silu(gate)
+* up, then quantize_fp8_rows: two fusions), at an 8B model's I = 14,336 and decode to prefill
+token counts, with a few tile choices; each kernel output checked against the reference.
+
+    python benchmarks/experiments/silu_mul_fp8_gpu.py --out DIR [--cpu]
+
+Times by `ceilings.time_chain`; % of copy bandwidth for the bytes read and written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.models.quant import quantize_fp8_rows
+from pallas_kernels.ceilings import measure_ceilings, time_chain
+from pallas_kernels.silu_mul_fp8 import silu_mul_fp8, silu_mul_fp8_reference
+
+TILES = [dict(block_rows=r, block_cols=c, num_warps=w) for r, c, w in (
+    (1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 4), (4, 1024, 4), (4, 2048, 8))]
+
+
+def xla_path(y, x_scale, w_scale):
+    """The FP8 MLP's step between its GEMMs before the kernel (quant.py at 468faf5)."""
+    gate_up = (y.astype(jnp.float32) * x_scale[:, None] * w_scale[None, :]).astype(jnp.bfloat16)
+    g, u = jnp.split(gate_up, 2, axis=1)
+    q, s = quantize_fp8_rows(jax.nn.silu(g) * u)
+    return q, s[:, 0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu", action="store_true")
+    cli = parser.parse_args()
+    os.makedirs(cli.out, exist_ok=True)
+    width = 256 if cli.cpu else 14336
+    token_counts = (1, 8) if cli.cpu else (1, 64, 256, 512, 2048)
+    sweep_at = () if cli.cpu else (256, 2048)
+    copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
+    rows = []
+    for tokens in token_counts:
+        k = jax.random.split(jax.random.key(tokens), 3)
+        y = (jax.random.normal(k[0], (tokens, 2 * width)) * 300).astype(jnp.bfloat16)
+        x_scale = jax.random.uniform(k[1], (tokens,), minval=1e-4, maxval=1e-2)
+        w_scale = jax.random.uniform(k[2], (2 * width,), minval=1e-4, maxval=1e-2)
+        want_q, want_s = jax.jit(silu_mul_fp8_reference)(y, x_scale, w_scale)
+        variants = [("xla", None), ("kernel", {})]
+        variants += [("kernel", t) for t in TILES] if tokens in sweep_at else []
+        for name, tiles in variants:
+            fn = xla_path if name == "xla" else functools.partial(
+                silu_mul_fp8, interpret=cli.cpu, **tiles)
+
+            def call(y, i, x_scale, w_scale, fn=fn):
+                q, s = jax.lax.optimization_barrier(fn(y, x_scale, w_scale))
+                # the next call's input depends on this one's outputs, in place
+                return y.at[0, 0].add((q[0, 0].astype(jnp.float32) * s[0] * 0).astype(y.dtype))
+            row = dict(tokens=tokens, width=width, path=name, **(tiles or {}))
+            try:
+                q, s = jax.jit(fn)(y, x_scale, w_scale)
+                diff = jnp.abs(q.astype(jnp.float32) - want_q.astype(jnp.float32))
+                row.update(scale_rel_err=float(jnp.max(jnp.abs(s - want_s) / want_s)),
+                           values_differing=float(jnp.mean(diff > 0)),
+                           values_max_diff=float(jnp.max(diff)))
+                secs = time_chain(call, jnp.copy(y), x_scale, w_scale, donate=True, reps=3)
+                nbytes = tokens * width * (2 * 2 + 1) + 2 * width * 4 + tokens * 8
+                row.update(us=secs * 1e6, pct_bw=100 * nbytes / secs / 1e9 / copy)
+            except Exception as e:  # noqa: BLE001 (a failing variant is a row)
+                row["error"] = repr(e)[-400:]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    with open(os.path.join(cli.out, "silu_mul_fp8.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
