@@ -155,13 +155,20 @@ def rel(a, b):
 PROMPT = [5, 17, 99, 3, 250, 31, 8, 77, 120, 64, 11]
 
 
-def test_tiny_llama_logits_fp8_within_tolerance(tiny_llama_dir):
-    loaded = load_model(tiny_llama_dir, "float32")
-    params = fuse_params(loaded.params, loaded.args.num_kv_heads)
-    want = logits_of(loaded, params, PROMPT)
-    got = logits_of(loaded, quantize_params_fp8(params), PROMPT)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_tiny_llama_logits_fp8_within_tolerance(tiny_llama_dir, dtype):
+    """Against the fp32 model's logits, whatever the model's dtype (a float16 model once got
+    inf: its FP8 products were written in float16)."""
+    want = logits_of(*_fused(tiny_llama_dir, "float32"), PROMPT)
+    loaded, params = _fused(tiny_llama_dir, dtype)
+    got = logits_of(loaded, quantize_params_fp8(params), PROMPT).astype(np.float32)
     # stated tolerance: 15% of the logits' norm (W8A8 of random weights, two layers: ~10%)
-    assert rel(got, want) < 0.15
+    assert np.isfinite(got).all() and rel(got, want) < 0.15
+
+
+def _fused(model_dir, dtype):
+    loaded = load_model(model_dir, dtype)
+    return loaded, fuse_params(loaded.params, loaded.args.num_kv_heads)
 
 
 def test_tiny_moe_logits_fp8_experts_within_tolerance(tmp_path):
