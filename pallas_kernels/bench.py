@@ -98,6 +98,20 @@ def guarded(fn, *args, **kw):
                 "error": repr(e)[-600:]}
 
 
+def timed_variant(row: dict, check, call, x, *args, nbytes: float, copy_GBps: float,
+                  **chain_kw) -> dict:
+    """One variant of an experiment as a row: check()'s accuracy fields, then `time_chain`'s
+    time and % of the copy bandwidth for nbytes; an exception becomes the row's error, so one
+    failing variant costs no other result."""
+    try:
+        row.update(check())
+        secs = time_chain(call, x, *args, reps=3, **chain_kw)
+        row.update(us=secs * 1e6, pct_bw=100 * nbytes / secs / 1e9 / copy_GBps)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = repr(e)[-400:]
+    return row
+
+
 def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=None,
                mosaic=False, **kw):
     """Triton: NaN-poisoned output, live rows checked. Mosaic (no output aliasing): padding

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import lower_for_h200
 
-from jaxllm.models.quant import (SWIGLU_KERNEL_MIN_TOKENS, fp8_swiglu, linear, on_one_device,
-                                 quantize_fp8)
+from jaxllm.models.layers import dense_mlp
+from jaxllm.models.quant import (SWIGLU_KERNEL_MIN_TOKENS, fp8_swiglu, fp8_swiglu_applies,
+                                 linear, on_one_device, quantize_fp8)
 from pallas_kernels.silu_mul_fp8 import silu_mul_fp8, silu_mul_fp8_reference
 
 
@@ -99,19 +100,23 @@ def test_fp8_swiglu_matches_the_unfused_mlp_and_the_float_product():
     assert not np.array_equal(got, unfused)  # the kernel's path, not XLA's
 
 
-def test_fp8_swiglu_keeps_xla_below_the_kernel_threshold():
-    x, w_gate_up, w_down = mlp_inputs(SWIGLU_KERNEL_MIN_TOKENS - 1)
-    np.testing.assert_array_equal(np.asarray(fp8_swiglu(x, w_gate_up, w_down), np.float32),
-                                  np.asarray(unfused_mlp(x, w_gate_up, w_down), np.float32))
+def test_dense_mlp_keeps_xla_below_the_kernel_threshold():
+    for num_tokens in (SWIGLU_KERNEL_MIN_TOKENS - 1, SWIGLU_KERNEL_MIN_TOKENS):
+        x, w_gate_up, w_down = mlp_inputs(num_tokens)
+        got = dense_mlp({"w_gate_up": w_gate_up, "w_down": w_down}, x, None)
+        want = (unfused_mlp if num_tokens < SWIGLU_KERNEL_MIN_TOKENS else fp8_swiglu)(
+            x, w_gate_up, w_down)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_one_device_only():
     """On a mesh of several devices the MLP keeps XLA's path (the kernel would need the token
     max over a split I)."""
-    assert on_one_device()
+    x, w_gate_up, w_down = mlp_inputs(SWIGLU_KERNEL_MIN_TOKENS)
+    assert on_one_device() and fp8_swiglu_applies(x, w_gate_up, w_down)
     mesh = jax.sharding.AbstractMesh((2,), ("tensor",))
     with jax.sharding.use_abstract_mesh(mesh):
-        assert not on_one_device()
+        assert not on_one_device() and not fp8_swiglu_applies(x, w_gate_up, w_down)
 
 
 def test_kernel_lowers_for_cuda():

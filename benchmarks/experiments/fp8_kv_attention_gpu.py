@@ -19,8 +19,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bench import HEADS, attn_args, kv_bytes, random_batch, rel_err
-from pallas_kernels.ceilings import measure_ceilings, time_chain
+from pallas_kernels.bench import (HEADS, attn_args, kv_bytes, random_batch, rel_err,
+                                  timed_variant)
+from pallas_kernels.ceilings import measure_ceilings
 from pallas_kernels.ragged_paged_attention import (_triton_attention,
                                                    ragged_paged_attention_reference)
 
@@ -62,17 +63,13 @@ def main() -> None:
                 args = attn_args(batch, i % batch["block_tables"].shape[0])
                 return _triton_attention(q, *args[1:], sm_scale=0.088, interpret=cli.cpu,
                                          k_scale=1.0 if cache == "bf16" else 2.0, **kw)
-            row = dict(case=case, cache=cache, **kw)
-            try:
+            def check(call=call, batch=batch, cache=cache):
                 out = jax.jit(call, static_argnums=1)(b["q"], 0, batch)
-                if cache == "fp8":
-                    live = sum(q_lens)
-                    row["rel_err"] = rel_err(out[:live], ref[:live])
-                secs = time_chain(call, b["q"], batch, reps=3)
-                nbytes = kv_bytes(kv_lens, HEADS, 2 if cache == "bf16" else 1)
-                row.update(us=secs * 1e6, pct_bw=100 * nbytes / secs / 1e9 / copy)
-            except Exception as e:  # noqa: BLE001 (a failing variant is a row)
-                row["error"] = repr(e)[-400:]
+                live = sum(q_lens)
+                return {"rel_err": rel_err(out[:live], ref[:live])} if cache == "fp8" else {}
+            row = timed_variant(dict(case=case, cache=cache, **kw), check, call, b["q"], batch,
+                                nbytes=kv_bytes(kv_lens, HEADS, 2 if cache == "bf16" else 1),
+                                copy_GBps=copy)
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(os.path.join(cli.out, "fp8_kv_attention.json"), "w") as f:

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.quant import quantize_fp8_rows
-from pallas_kernels.ceilings import measure_ceilings, time_chain
+from pallas_kernels.bench import timed_variant
+from pallas_kernels.ceilings import measure_ceilings
 from pallas_kernels.silu_mul_fp8 import silu_mul_fp8, silu_mul_fp8_reference
 
 TILES = [dict(block_rows=r, block_cols=c, num_warps=w) for r, c, w in (
@@ -61,18 +62,16 @@ def main() -> None:
                 q, s = jax.lax.optimization_barrier(fn(y, x_scale, w_scale))
                 # the next call's input depends on this one's outputs, in place
                 return y.at[0, 0].add((q[0, 0].astype(jnp.float32) * s[0] * 0).astype(y.dtype))
-            row = dict(tokens=tokens, width=width, path=name, **(tiles or {}))
-            try:
+            def check(fn=fn):
                 q, s = jax.jit(fn)(y, x_scale, w_scale)
                 diff = jnp.abs(q.astype(jnp.float32) - want_q.astype(jnp.float32))
-                row.update(scale_rel_err=float(jnp.max(jnp.abs(s - want_s) / want_s)),
-                           values_differing=float(jnp.mean(diff > 0)),
-                           values_max_diff=float(jnp.max(diff)))
-                secs = time_chain(call, jnp.copy(y), x_scale, w_scale, donate=True, reps=3)
-                nbytes = tokens * width * (2 * 2 + 1) + 2 * width * 4 + tokens * 8
-                row.update(us=secs * 1e6, pct_bw=100 * nbytes / secs / 1e9 / copy)
-            except Exception as e:  # noqa: BLE001 (a failing variant is a row)
-                row["error"] = repr(e)[-400:]
+                return dict(scale_rel_err=float(jnp.max(jnp.abs(s - want_s) / want_s)),
+                            values_differing=float(jnp.mean(diff > 0)),
+                            values_max_diff=float(jnp.max(diff)))
+            row = timed_variant(
+                dict(tokens=tokens, width=width, path=name, **(tiles or {})), check, call,
+                jnp.copy(y), x_scale, w_scale, donate=True, copy_GBps=copy,
+                nbytes=tokens * width * (2 * 2 + 1) + 2 * width * 4 + tokens * 8)
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(os.path.join(cli.out, "silu_mul_fp8.json"), "w") as f:

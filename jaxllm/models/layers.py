@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.args import ModelArgs
-from jaxllm.models.quant import Fp8Weight, fp8_swiglu, linear, on_one_device
+from jaxllm.models.quant import fp8_swiglu, fp8_swiglu_applies, linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -61,8 +61,7 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None) -> jax.Arra
     """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I].
     lora: a models.lora.TokenLoRA, whose updates add onto both projections."""
     w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
-    if (lora is None and isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
-            and on_one_device()):
+    if lora is None and fp8_swiglu_applies(x, w_gate_up, w_down):
         return fp8_swiglu(x, w_gate_up, w_down)
     gate_up = linear(x, w_gate_up)
     if lora is not None:

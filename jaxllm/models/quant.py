@@ -40,7 +40,7 @@ from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
-SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu uses its kernel from here: below, XLA measured faster
+SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu from here on: see fp8_swiglu_applies
 
 
 @jax.tree_util.register_dataclass
@@ -126,18 +126,22 @@ def _fp8_scaled(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, dtype) -> 
     return (y.astype(jnp.float32) * x_scale * w_scale).astype(dtype)
 
 
+def fp8_swiglu_applies(x: jax.Array, w_gate_up, w_down) -> bool:
+    """Whether fp8_swiglu serves this MLP: both projections FP8, on one device (the kernel would
+    need the token max over a split I), from SWIGLU_KERNEL_MIN_TOKENS tokens (with fewer, XLA's
+    two passes measured faster: the kernel's one program per token walks its row alone,
+    leaving most of the GPU idle)."""
+    return (isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
+            and x.shape[0] >= SWIGLU_KERNEL_MIN_TOKENS and on_one_device())
+
+
 def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight) -> jax.Array:
-    """down(silu(gate(x)) * up(x)) with both GEMMs FP8, on one device; w_gate_up [H, 2, I],
-    w_down [I, H]; x [T, H] -> [T, H]. From SWIGLU_KERNEL_MIN_TOKENS tokens the down
-    projection's operand (silu(gate) * up quantised per token) comes from one kernel reading the
-    gate/up GEMM's unscaled product (pallas_kernels/silu_mul_fp8.py) where XLA spends two
-    passes over it; with fewer, XLA's passes measured faster (the kernel's one program per
-    token walks its row alone, leaving most of the GPU idle)."""
+    """down(silu(gate(x)) * up(x)) with both GEMMs FP8; w_gate_up [H, 2, I], w_down [I, H];
+    x [T, H] -> [T, H]. The down projection's operand (silu(gate) * up quantised per token)
+    comes from one kernel reading the gate/up GEMM's unscaled product
+    (pallas_kernels/silu_mul_fp8.py), where XLA spends two passes over it."""
     xq, x_scale = quantize_fp8_rows(x)
     y = _fp8_dot(xq, w_gate_up, x.dtype)  # [T, 2, I]
-    if x.shape[0] < SWIGLU_KERNEL_MIN_TOKENS:
-        gate_up = _fp8_scaled(y, x_scale, w_gate_up.scale, x.dtype)
-        return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
     quantize = (silu_mul_fp8.silu_mul_fp8 if jax.default_backend() == "gpu"
                 else silu_mul_fp8.silu_mul_fp8_reference)
     hq, h_scale = quantize(y.reshape(y.shape[0], -1), x_scale[:, 0],
