@@ -120,7 +120,7 @@ def _fp8_pairs_to_f16(words):
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
                       group_pad, block_q, block_k, page_size, num_splits, num_sms, k_scale,
-                      v_scale):
+                      v_scale, only):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -129,7 +129,11 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
     q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
     block_start = q_start + (pid - seq_starts_ref[seq]) * block_q
 
-    @pl.when((block_start < q_end) & (seq < num_seqs_ref[0]))
+    runs = (block_start < q_end) & (seq < num_seqs_ref[0])
+    if only is not None:  # one kind of sequence: decodes (q_len 1) or the rest
+        runs &= (q_end - q_start == 1) == (only == "decode")
+
+    @pl.when(runs)
     def _():
         kv_len = kv_lens_ref[seq]
         rows = jnp.arange(block_q * group_pad, dtype=jnp.int32)
@@ -274,6 +278,10 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seq
                          f"num_kv_heads={num_kv_heads}")
     if head_dim not in (32, 64, 128, 256):
         raise ValueError(f"head_dim={head_dim} must be one of 32, 64, 128, 256")
+    if k_cache.dtype.itemsize == 1 and 2**31 < k_cache.size <= 2**32:
+        # Pallas's Triton lowering offsets arrays of up to 4 GiB with signed 32-bit integers
+        raise ValueError(f"A 1-byte KV cache array of {k_cache.size} bytes is not addressable "
+                         f"by the Triton kernel: at most 2 GiB (2**31 bytes), or over 4 GiB")
     if kv_lens.shape != (max_seqs,) or cu_q_lens.shape != (max_seqs + 1,) or num_seqs.shape != (1,):
         raise ValueError(f"kv_lens {kv_lens.shape}, cu_q_lens {cu_q_lens.shape}, num_seqs "
                          f"{num_seqs.shape} must be [{max_seqs}], [{max_seqs + 1}], [1]")
@@ -304,6 +312,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     k_scale, v_scale) takes the Triton kernel: the Mosaic kernel reads 16-bit pages only.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    max_seqs = block_tables.shape[0]
     if implementation not in (None, "triton", "mosaic"):
         raise ValueError(f"implementation={implementation!r} must be None, 'triton' or 'mosaic'")
     supported = mgpu.supports(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -316,33 +325,42 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
     auto_mosaic = (implementation is None and supported and unscaled and not interpret
                    and not triton_tiles
-                   and q.shape[0] > block_tables.shape[0] and _is_hopper())
+                   and q.shape[0] > max_seqs and _is_hopper())
     if implementation == "mosaic" or auto_mosaic:
         return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
                                                 cu_q_lens, num_seqs, sm_scale=sm_scale)
-    return _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                             interpret=interpret, block_q=block_q, block_k=block_k,
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              interpret=interpret, k_scale=k_scale, v_scale=v_scale)
+    if not triton_tiles and k_cache.dtype == jnp.float8_e4m3fn and q.shape[0] > max_seqs:
+        # A prefill bucket's decodes launch apart, at the decode tiling: on float8 pages it
+        # reads them faster than the prefill tiling (experiments/fp8_kv_attention_gpu.py).
+        return _triton_attention(*args, only="prefill", **kw,
+                                 out=_triton_attention(*args, only="decode", **kw))
+    return _triton_attention(*args, block_q=block_q, block_k=block_k,
                              num_kv_splits=num_kv_splits, num_warps=num_warps,
-                             num_stages=num_stages, k_scale=k_scale, v_scale=v_scale)
+                             num_stages=num_stages, **kw)
 
 
 def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                       sm_scale, sliding_window=None, soft_cap=None, interpret=False, block_q=None,
                       block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
                       fill_value: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
-                      v_pairs: bool | None = None):
+                      v_pairs: bool | None = None, only: str | None = None,
+                      out: jax.Array | None = None):
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
     rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
     element it should have written and did not shows. v_pairs: read float8 V pages as int16
     pairs (the kernel's v_pairs; default: in decode buckets without KV splits, where q is
-    16-bit: benchmarks/experiments/fp8_kv_attention_gpu.py)."""
+    16-bit: benchmarks/experiments/fp8_kv_attention_gpu.py).
+    only: "decode" (sequences of q_len 1, at the decode bucket's tiling) or "prefill" (the
+    others): the rows of the other kind come from `out` (else `fill_value`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    decode_bucket = num_tokens <= max_seqs
+    decode_bucket = num_tokens <= max_seqs if only is None else only == "decode"
     if block_q is None:  # decode: the fewest rows a tensor-core dot takes; prefill: 64 rows
         block_q = max(1, (16 if decode_bucket else 64) // group_pad)
     # The tiling sweeps (`python -m pallas_kernels.bench --sections sweep`, docs/lab/): 16-bit
@@ -370,14 +388,15 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     split_shape = (num_kv_splits, num_tokens, num_q_heads)
     if num_kv_splits == 1:
-        out_init = (jnp.full(q.shape, fill_value, q.dtype),)
+        out_init = (jnp.full(q.shape, fill_value, q.dtype) if out is None else out,)
     else:
         out_init = (jnp.full((*split_shape, head_dim), fill_value, jnp.float32),
                     jnp.full(split_shape, fill_value, jnp.float32))
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
-        num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale)
+        num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale,
+        only=only)
     v_flat = v_cache.reshape(flat)
     if v_pairs is None:
         v_pairs = decode_bucket and num_kv_splits == 1
@@ -399,6 +418,18 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     )(*inputs, *out_init)
     if num_kv_splits == 1:
         return outs[0]
-    live = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
-    out = jnp.where(live[:, None, None], _merge_splits(*outs), 0.0)
-    return out.astype(q.dtype)
+    owned = _owned_tokens(cu_q_lens, num_seqs, num_tokens, only)
+    rest = jnp.zeros((), q.dtype) if out is None else out
+    return jnp.where(owned[:, None, None], _merge_splits(*outs).astype(q.dtype), rest)
+
+
+def _owned_tokens(cu_q_lens, num_seqs, num_tokens, only):
+    """[T] bool: the live tokens whose sequence is of the kind `only` names (None: all)."""
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    live = token < cu_q_lens[num_seqs[0]]
+    if only is None:
+        return live
+    seq = jnp.searchsorted(cu_q_lens[1:], token, side="right")
+    q_lens = jnp.diff(cu_q_lens)
+    is_decode = q_lens[jnp.minimum(seq, q_lens.shape[0] - 1)] == 1
+    return live & (is_decode == (only == "decode"))

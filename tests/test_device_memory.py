@@ -117,3 +117,15 @@ def test_a_dp_replica_sizes_its_kv_cache_on_its_own_device(monkeypatch):
     monkeypatch.setenv(device_memory.FRACTION_ENV, "0.4")
     assert kv_cache.device_memory_available(0.4, 1 * GIB, free) == 57 * GIB - 8 * GIB - 16 * GIB
     assert kv_cache.device_memory_available(0.4, 1 * GIB) < 0
+
+
+def test_a_float8_page_array_is_capped_below_what_the_kernels_address():
+    """An 8B layer's float8 K array (16-token blocks, 8 heads x 128) holds at most 2 GiB: 2**31
+    / 16 KiB blocks; the DP ranks' pools share it; bf16 pages are not capped."""
+    fp8, bf16 = "float8_e4m3fn", "bfloat16"
+    assert kv_cache.cap_num_blocks(10**6, 1, 16, 8, 128, fp8) == 2**31 // 2**14 == 131072
+    assert kv_cache.cap_num_blocks(10**6, 2, 16, 8, 128, fp8) == 65536
+    assert kv_cache.cap_num_blocks(1000, 1, 16, 8, 128, fp8) == 1000
+    assert kv_cache.cap_num_blocks(10**6, 1, 16, 8, 128, bf16) == 10**6
+    blocks = kv_cache.cap_num_blocks(10**6, 1, 32, 2, 64, fp8)
+    assert blocks * 32 * 2 * 64 <= 2**31 < (blocks + 1) * 32 * 2 * 64

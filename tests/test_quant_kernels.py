@@ -182,6 +182,54 @@ def test_triton_attention_reads_fp8_pages_poisoned(bucket, splits, soft_cap, v_p
     assert rel_err(ref[:live], exact[:live]) < 0.1
 
 
+def mixed_fp8_batch(seed):
+    """A prefill bucket on float8 pages: decodes (q_len 1) among prefill chunks, poisoned."""
+    q_lens = [1, 7, 1, 0, 13, 1]
+    args = make_batch(seed, q_lens, np.add([300, 40, 3, 0, 200, 90], q_lens), num_q_heads=8,
+                      num_kv_heads=2, head_dim=64, page_size=16, max_seqs=7, num_tokens=32)
+    q, k_cache, v_cache, *rest = args
+    fp8_args = (q.astype(jnp.bfloat16), to_fp8(k_cache, 0.25), to_fp8(v_cache, 4.0), *rest)
+    poisoned, clean = poison(fp8_args)
+    is_decode = np.repeat(np.equal(q_lens, 1), q_lens)
+    return poisoned, clean, is_decode
+
+
+@pytest.mark.parametrize("only,splits", [("decode", 1), ("decode", 3), ("prefill", 1),
+                                         ("prefill", 3)])
+def test_triton_attention_only_one_kind_writes_its_rows(only, splits):
+    """A launch for one kind of sequence writes its rows (right) and leaves the others as they
+    came in (`out`), the merge of KV splits included."""
+    poisoned, clean, is_decode = mixed_fp8_batch(50 + splits)
+    kw = dict(sm_scale=0.125, k_scale=0.25, v_scale=4.0, interpret=True, num_kv_splits=splits)
+    live = len(is_decode)
+    before = jnp.full(poisoned[0].shape, 7.0, jnp.bfloat16)
+    out = jax.jit(functools.partial(_triton_attention, only=only, fill_value=float("nan"),
+                                    **kw))(*poisoned, out=before)
+    ref_in = [clean[0].astype(jnp.float32), *clean[1:]]
+    ref = ragged_paged_attention_reference(*ref_in, sm_scale=0.125, k_scale=0.25, v_scale=4.0)
+    mine = is_decode if only == "decode" else ~is_decode
+    out = np.asarray(out, np.float32)
+    assert rel_err(out[:live][mine], ref[:live][mine]) < 2e-2
+    np.testing.assert_array_equal(out[:live][~mine], 7.0)
+    if splits == 1:  # the aliased output: padding rows untouched too
+        np.testing.assert_array_equal(out[live:], 7.0)
+
+
+def test_fp8_prefill_bucket_runs_its_decodes_apart():
+    """The entry on float8 pages in a prefill bucket: two launches (decodes at the decode
+    tiling), every live row right."""
+    poisoned, clean, is_decode = mixed_fp8_batch(60)
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.125, k_scale=0.25, v_scale=4.0,
+                           interpret=True)
+    assert str(jax.make_jaxpr(fn)(*poisoned)).count("pallas_call") == 2
+    out = np.asarray(fn(*poisoned), np.float32)
+    ref = ragged_paged_attention_reference(clean[0].astype(jnp.float32), *clean[1:],
+                                           sm_scale=0.125, k_scale=0.25, v_scale=4.0)
+    live = len(is_decode)
+    assert np.isfinite(out).all()
+    assert rel_err(out[:live], ref[:live]) < 2e-2
+
+
 def test_fp8_cache_routes_prefill_to_triton_and_refuses_mosaic():
     args = make_batch(40, [9, 4], [20, 4], num_q_heads=4, num_kv_heads=2, head_dim=64,
                       page_size=16, dtype=jnp.bfloat16, max_seqs=2, num_tokens=16)
@@ -200,6 +248,24 @@ def test_fp8_cache_lowers_for_cuda():
         fn = functools.partial(ragged_paged_attention, sm_scale=0.1, num_kv_splits=splits,
                                k_scale=0.5, v_scale=2.0)
         assert "ragged_paged_attention" in lower_for_h200(fn, *args)
+    prefill = (sds((64, 32, 128), jnp.bfloat16), cache, cache, sds((8,), jnp.int32),
+               sds((8, 16), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
+    both = lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.1, k_scale=0.5,
+                                            v_scale=2.0), *prefill)
+    assert both.count("ragged_paged_attention") >= 2  # decodes apart from the prefill
     kv = sds((100, 8, 128), jnp.bfloat16)
     write = jax.jit(functools.partial(write_kv_pallas, k_scale=0.5), donate_argnums=(0, 1))
     assert "write_kv" in lower_for_h200(write, cache, cache, kv, kv, sds((100,), jnp.int32))
+
+
+def test_a_float8_cache_the_triton_kernel_cannot_address_is_refused():
+    """Pallas offsets arrays of 2 to 4 GiB with signed 32-bit integers: such a float8 cache
+    would be read at wrapped addresses (H200: garbage at 2.4 GB), so it is refused by name."""
+    sds = jax.ShapeDtypeStruct
+    args = lambda pages: (sds((8, 32, 128), jnp.bfloat16), sds((pages, 16, 8, 128), FP8),
+                          sds((pages, 16, 8, 128), FP8), sds((8,), jnp.int32),
+                          sds((8, 16), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, k_scale=0.5, v_scale=2.0)
+    jax.eval_shape(fn, *args(2**17))  # 2 GiB: addressable
+    with pytest.raises(ValueError, match="not addressable"):
+        jax.eval_shape(fn, *args(2**17 + 1))

@@ -68,7 +68,21 @@ def build_engine_core(config: EngineConfig, log=logger.info, mesh=None) -> Engin
     if num_blocks is None:
         block_bytes = _block_bytes(config, sharded) + _draft_block_bytes(config, sharded)
         num_blocks = _measure_num_blocks(config, sharded, dp_size, block_bytes, mesh)
+    num_blocks = _addressable_blocks(config, sharded, dp_size, num_blocks, log)
     return _assemble_core(config, sharded, dp_size, num_blocks, log, _make_proposer(config))
+
+
+def _addressable_blocks(config: EngineConfig, sharded: ShardedModel, dp_size: int,
+                        num_blocks: int, log) -> int:
+    """num_blocks within what the kernels can address in one page array (kv_cache.py)."""
+    args = sharded.args
+    capped = kv_cache.cap_num_blocks(num_blocks, dp_size, config.cache_config.block_size,
+                                     args.num_kv_heads // sharded.tp, args.head_dim,
+                                     _kv_cache_dtype(config, sharded))
+    if capped < num_blocks:
+        log(f"KV cache: {num_blocks} blocks capped to {capped}: a float8 page array holds at "
+            "most 2 GiB")
+    return capped
 
 
 def _assemble_core(config: EngineConfig, sharded: ShardedModel, dp_size: int, num_blocks: int,
