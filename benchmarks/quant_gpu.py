@@ -34,6 +34,7 @@ from jaxllm.models.quant import QUANTIZED_NAMES, Int4Weight
 
 PRESET = "llama-3.1-8b"
 TESTS = ("batch1", "1000/1000", "1000/1000@512", "200/180")
+BATCH1_WEIGHTS = ("bf16", "fp8", "int4")
 
 
 def random_int4(params: dict, group: int = 128) -> dict:
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true", help="tiny shape and workloads (a test)")
     parser.add_argument("--tests", nargs="+", choices=TESTS, default=TESTS)
+    parser.add_argument("--batch1-weights", nargs="+", choices=BATCH1_WEIGHTS,
+                        default=BATCH1_WEIGHTS, help="the weights batch1 measures")
     cli = parser.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     if cli.cpu:
@@ -120,7 +123,8 @@ def main() -> None:
         gc.collect()
         return LLM(**{**base, **kw})
 
-    batch1 = (("bf16", {}), ("fp8", {"quantization": "fp8"}), ("int4", {}))
+    batch1 = [(kind, {"quantization": "fp8"} if kind == "fp8" else {})
+              for kind in cli.batch1_weights]
     for kind, kw in batch1 if "batch1" in cli.tests else ():
         llm = build(max_num_seqs=1, enforce_eager=kind == "int4" or cli.cpu, **kw)
         if kind == "int4":

@@ -98,7 +98,7 @@ def projection(kind: str, interpret: bool, tiles: dict):
     if kind == "bf16":
         return lambda x, w: x @ w
     if kind == "fp8 W8A8":
-        return quant._fp8_linear
+        return quant._fp8_w8a8
     return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret, **tiles)
 
 

@@ -358,7 +358,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
                       block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
                       fill_value: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
                       v_pairs: bool | None = None, only: str | None = None,
-                      out: jax.Array | None = None, k_pairs: bool = False):
+                      out: jax.Array | None = None, k_pairs: bool | None = None):
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
     rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
     element it should have written and did not shows. v_pairs: read float8 V pages as int16
@@ -411,6 +411,8 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     v_flat = v_cache.reshape(flat)
     if v_pairs is None:
         v_pairs = decode_bucket and num_kv_splits == 1
+    if k_pairs is None:
+        k_pairs = v_pairs
     if v_pairs and fp8_pages and q.dtype.itemsize == 2:
         v_flat = jax.lax.bitcast_convert_type(v_flat.reshape(*flat[:2], head_dim // 2, 2),
                                               jnp.int16)

@@ -12,7 +12,7 @@ from conftest import lower_for_h200
 from test_kv_write import random_step
 from test_ragged_paged_attention import make_batch, poison, rel_err
 
-from jaxllm.models.quant import linear, quantize_fp8
+from jaxllm.models.quant import GEMV_MAX_TOKENS, linear, quantize_fp8
 from pallas_kernels import quant_matmul as qm
 from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
@@ -108,13 +108,16 @@ def test_int4_matmul_lowers_for_cuda():
 def test_fp8_linear_lowers_to_an_fp8_dot():
     """The GEMM XLA's GPU compiler maps to cuBLASLt's FP8 kernels: float8_e4m3fn operands, the
     weight K-minor (Hopper's FP8 GEMMs take only that operand layout), the product in x's
-    dtype (the scales applied after it)."""
+    dtype (the scales applied after it). More tokens than the GEMV takes (tests/test_fp8_gemv.py
+    lowers that path)."""
+    tokens = GEMV_MAX_TOKENS + 1
     w = quantize_fp8(jnp.zeros((512, 768), jnp.bfloat16))
-    text = lower_for_h200(lambda x, w: linear(x, w), jax.ShapeDtypeStruct((4, 512), jnp.bfloat16),
+    text = lower_for_h200(lambda x, w: linear(x, w),
+                          jax.ShapeDtypeStruct((tokens, 512), jnp.bfloat16),
                           jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w))
     dots = [line for line in text.splitlines() if "dot_general" in line]
-    assert any("f8E4M3FN" in d and "contracting_dims = [1] x [1]" in d and "-> tensor<4x768xbf16>"
-               in d for d in dots), dots
+    assert any("f8E4M3FN" in d and "contracting_dims = [1] x [1]" in d
+               and f"-> tensor<{tokens}x768xbf16>" in d for d in dots), dots
 
 
 # -- FP8 KV cache ---------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one of:
   Fp8Weight  values [*out, K] float8_e4m3fn, scale [*out] float32: w[k, o] = values[o, k] * scale[o]
-             (per output channel; K minor, the operand layout Hopper's FP8 GEMMs read). Run as
-             W8A8: activations quantised per token on the fly, one FP8 x FP8 dot accumulating
-             in fp32, then both scales.
+             (per output channel; K minor, the operand layout Hopper's FP8 GEMMs read). Up to
+             GEMV_MAX_TOKENS tokens (decode), W8A16: x as it is times the weights widened in a
+             GEMV kernel (pallas_kernels/fp8_gemv.py), the weight read being the whole cost.
+             More tokens, W8A8: activations quantised per token on the fly, one FP8 x FP8 dot
+             accumulating in fp32, then both scales.
   Fp8Experts values [E, K, N] float8_e4m3fn, scale [E, N] float32: an MoE layer's experts, each
              per output channel; W8A16 in the grouped matmul (a tile cast after its load, the
              accumulator scaled), the experts' own [E, K, N] layout kept.
@@ -34,13 +36,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import quant_matmul, silu_mul_fp8
+from pallas_kernels import fp8_gemv, quant_matmul, silu_mul_fp8
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
 SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu from here on: see fp8_swiglu_applies
+# the W8A16 GEMV up to here (see fp8_gemv_applies); a step's tokens are padded to a bucket,
+# the smallest 16 (worker/model_runner.py's token_buckets)
+GEMV_MAX_TOKENS = 16
 
 
 @jax.tree_util.register_dataclass
@@ -101,8 +106,30 @@ def linear(x: jax.Array, w) -> jax.Array:
 
 
 def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    return _fp8_gemv(x, w) if fp8_gemv_applies(x) else _fp8_w8a8(x, w)
+
+
+def _fp8_w8a8(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x quantised per token, one FP8 x FP8 dot, then both scales."""
     xq, x_scale = quantize_fp8_rows(x)
     return _fp8_scaled(_fp8_dot(xq, w, x.dtype), x_scale, w.scale, x.dtype)
+
+
+def fp8_gemv_applies(x: jax.Array) -> bool:
+    """Whether an FP8 projection of x runs as the W8A16 GEMV: up to GEMV_MAX_TOKENS tokens
+    (there the weight read is the whole cost, and cuBLAS's FP8 GEMM falls short of it, besides
+    the activations' quantisation), on one device (the kernel sees w's output axes as one)."""
+    return x.shape[0] <= GEMV_MAX_TOKENS and on_one_device()
+
+
+def _fp8_gemv(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x [T, K] @ w -> [T, *out] by the GEMV kernel (its reference off the GPU), w's output
+    axes flattened (free on one device)."""
+    gemv = (fp8_gemv.fp8_gemv if jax.default_backend() == "gpu"
+            else fp8_gemv.fp8_gemv_reference)
+    out_shape = w.values.shape[:-1]
+    y = gemv(x, w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1))
+    return y.reshape(x.shape[0], *out_shape)
 
 
 def _fp8_dot(xq: jax.Array, w: Fp8Weight, dtype) -> jax.Array:

@@ -1,0 +1,185 @@
+"""The W8A16 FP8 GEMV: the Pallas kernel (interpret mode) against the jnp reference, the
+reference against numpy (ml_dtypes' float8), quant.linear's routing (few tokens to the GEMV, more
+to W8A8, one device only), and the CUDA lowering of the kernel and of linear's GPU path."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import lower_for_h200
+
+from jaxllm.models import quant
+from jaxllm.models.layers import dense_mlp
+from jaxllm.models.quant import GEMV_MAX_TOKENS, dequantize, fp8_gemv_applies, linear, quantize_fp8
+from pallas_kernels import fp8_gemv as gemv
+from pallas_kernels.fp8_gemv import FP8, fp8_gemv, fp8_gemv_reference
+
+# kernel vs reference: both fp32 sums, in other orders (each off by up to ~K fp32 epsilons of
+# the sum of the terms' magnitudes), then one rounding to x's dtype (one unit in the last place)
+RTOL = {jnp.bfloat16: 2 ** -7, jnp.float16: 2 ** -9, jnp.float32: 1e-6}
+SUM_TOL = 1e-5
+
+
+def random_inputs(seed, m, n, k, dtype=jnp.bfloat16):
+    """x with rows of different magnitudes, float8 values over their whole range (never zero),
+    channel scales spanning two decades."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)) * rng.choice([0.1, 1.0, 10.0], (m, 1))
+    mags = 2.0 ** rng.uniform(-6, np.log2(448), (n, k))
+    values = (mags * rng.choice([-1.0, 1.0], (n, k))).astype(ml_dtypes.float8_e4m3fn)
+    scale = 10.0 ** rng.uniform(-4, -2, n)
+    return (jnp.asarray(x, jnp.float32).astype(dtype), jnp.asarray(values),
+            jnp.asarray(scale, jnp.float32))
+
+
+def assert_close(got, x, values, scale):
+    want = np.asarray(fp8_gemv_reference(x, values, scale), np.float32)
+    terms = np.abs(np.asarray(x, np.float32)) @ np.abs(np.asarray(values, np.float32)).T
+    bound = RTOL[x.dtype.type] * np.abs(want) + SUM_TOL * terms * np.asarray(scale)
+    assert np.all(np.abs(np.asarray(got, np.float32) - want) <= bound)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("m,n,k,tiles", [
+    (1, 200, 300, dict(block_n=32, block_k=64)),  # N and K ragged against the tiles
+    (3, 70, 1000, dict(block_n=16, block_k=128, splits=3, mma=False)),
+    (8, 48, 520, dict(block_n=32, block_k=64, splits=4, mma=False)),  # 9 K tiles: 1 split empty
+    (3, 90, 520, dict(block_n=16, block_k=64, splits=7, mma=False)),  # two empty splits
+    (1, 300, 700, dict()),  # the defaults: the CUDA cores
+    (3, 300, 700, dict()),  # the tensor cores
+    (3, 70, 1000, dict(block_n=16, block_k=64, splits=2, mma=True)),
+    (8, 200, 300, dict(block_n=64, block_k=128, splits=3, mma=True)),  # one split empty
+    (16, 40, 100, dict(mma=False)),
+])
+def test_kernel_matches_reference(m, n, k, tiles, dtype):
+    x, values, scale = random_inputs(m + n + k, m, n, k, dtype)
+    got = fp8_gemv(x, values, scale, interpret=True, **tiles)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert_close(got, x, values, scale)
+
+
+def test_default_splits():
+    """The 8B's projections (gate/up, o, down, qkv) at the default tiles: gate/up's N tiles
+    need no split, o's and down's get the most; a short K is never split below four K tiles a
+    split."""
+    shapes = ((28672, 4096), (4096, 4096), (4096, 14336), (6144, 4096))
+    assert [gemv.default_splits(n, k, *gemv.DEFAULT_TILE[False]) for n, k in shapes] == [
+        1, 4, 4, 2]
+    assert [gemv.default_splits(n, k, *gemv.DEFAULT_TILE[True]) for n, k in shapes] == [
+        1, 8, 8, 5]
+    assert gemv.default_splits(64, 1024, 32, 256) == 1
+
+
+def test_reference_matches_numpy():
+    x, values, scale = random_inputs(1, 5, 96, 160, jnp.float32)
+    want = (np.asarray(x, np.float64) @ np.asarray(values).astype(np.float32).T.astype(np.float64)
+            * np.asarray(scale)[None, :])
+    got = np.asarray(fp8_gemv_reference(x, values, scale))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# -- quant.linear's routing ---------------------------------------------------------------
+def projection(num_tokens, out=(2, 48), k=96, dtype=jnp.bfloat16):
+    """x [T, K] and an Fp8Weight with two output axes (a gate/up's [K, 2, I])."""
+    rng = np.random.default_rng(num_tokens)
+    x = jnp.asarray(rng.standard_normal((num_tokens, k)), jnp.float32).astype(dtype)
+    w = quantize_fp8(jnp.asarray(rng.standard_normal((k, *out)) * 0.2, jnp.float32).astype(dtype))
+    return x, w
+
+
+def gemv_of(x, w):
+    """The GEMV's reference on w's output axes flattened."""
+    y = fp8_gemv_reference(x, w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1))
+    return y.reshape(x.shape[0], *w.values.shape[:-1])
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """Counts the calls linear makes to the GEMV (its reference: the CPU's path)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return fp8_gemv_reference(*args)
+    monkeypatch.setattr(gemv, "fp8_gemv_reference", counted)
+    return calls
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, GEMV_MAX_TOKENS])
+def test_linear_runs_few_tokens_through_the_gemv(num_tokens, gemv_calls):
+    x, w = projection(num_tokens)
+    got = linear(x, w)
+    assert gemv_calls == [x.shape]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(gemv_of(x, w), np.float32))
+    exact = np.einsum("tk,kgo->tgo", np.asarray(x, np.float32), np.asarray(dequantize(w)))
+    err = np.linalg.norm((np.asarray(got, np.float32) - exact).reshape(num_tokens, -1), axis=1)
+    # W8A16: the dequantised product to bf16 rounding (W8A8 adds x's float8 rounding, ~3%)
+    assert np.all(err / np.linalg.norm(exact.reshape(num_tokens, -1), axis=1) < 1e-2)
+
+
+def test_linear_runs_more_tokens_as_w8a8(gemv_calls):
+    x, w = projection(GEMV_MAX_TOKENS + 1)
+    np.testing.assert_array_equal(np.asarray(linear(x, w), np.float32),
+                                  np.asarray(quant._fp8_w8a8(x, w), np.float32))
+    assert not gemv_calls
+
+
+def test_dense_mlp_few_tokens_runs_both_projections_through_the_gemv(gemv_calls):
+    x, w_gate_up = projection(2, out=(2, 48), k=64)
+    _, w_down = projection(2, out=(64,), k=48)
+    got = dense_mlp({"w_gate_up": w_gate_up, "w_down": w_down}, x, None)
+    assert gemv_calls == [(2, 64), (2, 48)]
+    gate_up = gemv_of(x, w_gate_up)
+    want = gemv_of(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_linear_runs_the_kernel_on_the_gpu(monkeypatch):
+    """On the GPU's backend linear calls the kernel itself (here in interpret mode)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gemv, "fp8_gemv", functools.partial(fp8_gemv, interpret=True))
+    x, w = projection(3)
+    np.testing.assert_allclose(np.asarray(linear(x, w), np.float32),
+                               np.asarray(gemv_of(x, w), np.float32), rtol=RTOL[jnp.bfloat16])
+
+
+def test_one_device_only():
+    """On a mesh of several devices FP8 keeps W8A8 (GSPMD partitions its dot; the kernel sees
+    w's output axes as one)."""
+    x, _ = projection(1)
+    assert fp8_gemv_applies(x)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("tensor",))):
+        assert not fp8_gemv_applies(x)
+
+
+# -- CUDA lowering ------------------------------------------------------------------------
+def test_kernel_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    for m, n, k, dtype, tiles in [(1, 6144, 4096, jnp.bfloat16, {}),
+                                  (8, 28672, 4096, jnp.bfloat16, {}),
+                                  (1, 4096, 14336, jnp.float16, dict(block_n=64, block_k=512)),
+                                  (3, 4096, 4096, jnp.float32, dict(splits=8, num_warps=8)),
+                                  (16, 4096, 14336, jnp.bfloat16, dict(block_n=64, mma=True)),
+                                  (4, 6144, 4096, jnp.float32, dict(block_n=64, mma=True))]:
+        text = lower_for_h200(functools.partial(fp8_gemv, **tiles), sds((m, k), dtype),
+                              sds((n, k), FP8), sds((n,), jnp.float32))
+        assert "fp8_gemv" in text and "triton" in text
+
+
+def test_linear_lowers_to_the_gemv_for_few_tokens(monkeypatch):
+    """The GPU's path traced here: the kernel up to GEMV_MAX_TOKENS tokens (no FP8 dot, no
+    activation quantisation), the FP8 dot past it."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    w = quantize_fp8(jnp.zeros((512, 2, 768), jnp.bfloat16))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+    for tokens in (1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
+        text = lower_for_h200(linear, jax.ShapeDtypeStruct((tokens, 512), jnp.bfloat16), shapes)
+        fp8_dots = [line for line in text.splitlines()
+                    if "stablehlo.dot_general" in line and "f8E4M3FN" in line]
+        if tokens <= GEMV_MAX_TOKENS:
+            assert "fp8_gemv" in text and not fp8_dots
+        else:
+            assert "fp8_gemv" not in text and len(fp8_dots) == 1
