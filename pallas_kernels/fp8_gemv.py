@@ -12,18 +12,13 @@ stream `values` at HBM bandwidth and to spend few instructions per weight byte.
 Programs: (N tile, K split). A program owns `block_n` output channels and one range of K, which
 it walks in [block_n, block_k] weight tiles (K contiguous in memory: each thread loads 16 fp8
 bytes of one channel, a warp whole rows of the tile), loaded evict-first (streamed once) so that
-x's rows, re-read per tile (M * K elements, small beside the weights), stay cached. Two ways to
-multiply a tile, `mma`:
-- CUDA cores (mma=False): the tile, as [block_n, block_k / 16, 16] (one thread's 16 bytes a
-  group), is widened to fp32 once and, for each row m of x (a static loop), multiplied by x[m]'s
-  slice and summed over its groups' 16 lanes, all within the thread; the sums over groups wait
-  for the loop's end (no shuffle per tile). M FMAs per weight: for a single row.
-- tensor cores (mma=True): the product transposed, so that the weights are the wide operand:
-  [block_n, block_k] weights cast to x's dtype (float8_e4m3fn values are exact in bf16 and f16;
-  fp32 x gets fp32 products, no TF32) @ x's rows [block_k, M padded to 16]. The padding costs the
-  tensor cores nothing, and Triton pipelines the tile loads ahead of the product (num_stages),
-  where the CUDA-core loop hides their latency only by having many programs. (A Pallas GEMM with
-  x as the padded 16-row operand and the weights as the other was slower than cuBLAS's W8A8.)
+x's rows, re-read per tile (M * K elements, small beside the weights), stay cached. The tile, as
+[block_n, block_k / 16, 16] (one thread's 16 bytes a group), is widened to fp32 once and, for
+each row m of x (a static loop), multiplied by x[m]'s slice and summed over its groups' 16
+lanes, all within the thread; the sums over groups wait for the loop's end (no shuffle per
+tile). M FMAs per weight, on the CUDA cores: a kernel for one row (decode at batch 1). With
+more rows the tensor cores (cuBLAS's W8A8 GEMM) are faster (benchmarks/experiments/
+fp8_gemv_gpu.py), and a dot with x as a 16-row operand was slower than cuBLAS too.
 
 When N / block_n tiles are too few to keep every SM streaming (an o projection: N = 4096), K is
 split into `splits` ranges whose fp32 partial products the wrapper sums (deterministic, no
@@ -42,10 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 
 FP8 = jnp.float8_e4m3fn
 _VECTOR = 16  # fp8 values one thread loads at once (16 bytes)
-MMA_MIN_ROWS = 2  # the tensor cores from here (the CUDA cores' work grows with M)
-# (block_n, block_k) by `mma`: the CUDA cores' [32, 256] is 64 fp8 bytes a thread at 4 warps;
-# the tensor cores' 64 channels are one Hopper warpgroup MMA's rows
-DEFAULT_TILE = {False: (32, 256), True: (64, 128)}
+DEFAULT_TILE = (32, 256)  # (block_n, block_k): 64 fp8 bytes a thread at 4 warps
 _TARGET_PROGRAMS = 528  # about four per SM on an H200 (132 SMs)
 _MIN_STEPS_PER_SPLIT = 4  # K tiles per split: shorter loops spend their time in set-up
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -102,30 +94,6 @@ def _fma_kernel(x_ref, v_ref, s_ref, o_ref, *, block_n, block_k, steps_per_split
                        (jnp.sum(acc[m], axis=1) * scale).astype(o_ref.dtype), mask=col_ok)
 
 
-def _mma_kernel(x_ref, v_ref, s_ref, o_ref, *, block_n, block_k, steps_per_split):
-    """_fma_kernel's contract, the tile products on the tensor cores."""
-    num_rows, k_total = x_ref.shape
-    cols, col_ok, split, first, last = _tiles(v_ref, block_n, block_k, steps_per_split)
-    rows = jnp.arange(max(16, pl.next_power_of_2(num_rows)), dtype=jnp.int32)  # [Bm]
-    row_ok = rows < num_rows
-    lanes = jnp.arange(block_k, dtype=jnp.int32)
-
-    def step(s, acc):  # acc [Bn, Bm]
-        ks = s * block_k + lanes
-        k_ok = ks < k_total
-        xs = pltriton.load(x_ref.at[rows[:, None], ks[None, :]],
-                           mask=row_ok[:, None] & k_ok[None, :], other=0)  # [Bm, Bk]
-        w = _weights(v_ref, cols, col_ok, ks, k_ok).astype(xs.dtype)  # [Bn, Bk]
-        return acc + pltriton.dot(w, xs, trans_b=True, allow_tf32=False)
-
-    acc = jax.lax.fori_loop(first, last, step,
-                            jnp.zeros((block_n, rows.shape[0]), jnp.float32))
-    scale = pltriton.load(s_ref.at[cols], mask=col_ok, other=0)
-    pltriton.store(o_ref.at[split, rows[None, :], cols[:, None]],
-                   (acc * scale[:, None]).astype(o_ref.dtype),
-                   mask=row_ok[None, :] & col_ok[:, None])
-
-
 def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     """K splits that bring the programs to about _TARGET_PROGRAMS, each at least
     _MIN_STEPS_PER_SPLIT tiles long; 1 when the N tiles alone suffice (a gate/up projection)."""
@@ -134,34 +102,29 @@ def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     return pl.cdiv(steps, pl.cdiv(steps, splits))  # no split left empty
 
 
-@functools.partial(jax.jit, static_argnames=("mma", "block_n", "block_k", "num_warps",
-                                             "num_stages", "splits", "interpret"))
-def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array, *, mma: bool | None = None,
-             block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-             num_stages: int = 3, splits: int | None = None,
-             interpret: bool = False) -> jax.Array:
-    """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. mma: the tile products on
-    the tensor cores (see the module's docstring); block_n (channels a program) and block_k
-    (the K tile) are powers of two; num_stages: the K loop's pipeline depth (the tensor-core
-    loop's); splits: K ranges. Defaults: the tensor cores from MMA_MIN_ROWS rows, each
-    way's DEFAULT_TILE, default_splits."""
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
+                                             "splits", "interpret"))
+def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array, *, block_n: int | None = None,
+             block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+             splits: int | None = None, interpret: bool = False) -> jax.Array:
+    """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. block_n (channels a
+    program) and block_k (the K tile) are powers of two; num_stages: the K loop's pipeline
+    depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits."""
     (m, k), (n, k_values) = x.shape, values.shape
     if k != k_values or scale.shape != (n,) or values.dtype != FP8:
         raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}, scale "
                          f"{scale.shape}: want [M, K], [N, K] float8_e4m3fn, [N]")
     if jnp.dtype(x.dtype) not in _DTYPES:
         raise ValueError(f"x's dtype {x.dtype}: bfloat16, float16 or float32")
-    mma = m >= MMA_MIN_ROWS if mma is None else mma
-    # dots take 16 rows at least, and the CUDA-core loop whole 16-byte groups
-    block_n = min(block_n or DEFAULT_TILE[mma][0], max(16, pl.next_power_of_2(n)))
-    block_k = min(block_k or DEFAULT_TILE[mma][1], max(_VECTOR, pl.next_power_of_2(k)))
+    # the loop takes whole 16-byte groups
+    block_n = min(block_n or DEFAULT_TILE[0], max(16, pl.next_power_of_2(n)))
+    block_k = min(block_k or DEFAULT_TILE[1], max(_VECTOR, pl.next_power_of_2(k)))
     if any(b & (b - 1) for b in (block_n, block_k)) or block_k < _VECTOR:
         raise ValueError(f"block_n {block_n}, block_k {block_k}: powers of two, block_k "
                          f">= {_VECTOR}")
     splits = splits or default_splits(n, k, block_n, block_k)
-    kernel = _mma_kernel if mma else _fma_kernel
     out = pl.pallas_call(
-        functools.partial(kernel, block_n=block_n, block_k=block_k,
+        functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
                           steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits)),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),

@@ -149,20 +149,13 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         v_pairs = v_ref.dtype == jnp.int16
         v_cols = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D], D / 2 if pairs
         out_dims = (2 * v_cols, 2 * v_cols + 1) if v_pairs else (v_cols,)
-        # K as pairs too: q @ k.T is then the even dims' dot plus the odd dims'
-        k_pairs = k_ref.dtype == jnp.int16
-        k_cols = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D or D / 2]
-        q_dims = (2 * k_cols, 2 * k_cols + 1) if k_pairs else (dims,)
-        q_parts = tuple(pltriton.load(q_ref.at[token[:, None], head[:, None], d],
-                                      mask=row_valid[:, None], other=0)
-                        for d in q_dims)  # [R, D or D / 2]
-        scaled_q = k_ref.dtype in (jnp.float8_e4m3fn, jnp.int16) and q_ref.dtype.itemsize == 2
+        q = pltriton.load(q_ref.at[token[:, None], head[:, None], dims], mask=row_valid[:, None],
+                          other=0)  # [R, D]
+        scaled_q = k_ref.dtype == jnp.float8_e4m3fn and q.dtype.itemsize == 2
         if scaled_q:
             # float8 pages widen to float16 in one instruction per pair on sm_90 (to bf16 it
             # takes several), so the dots run in float16; q, scaled first, is well in its range
-            q_parts = tuple((q.astype(jnp.float32) * sm_scale).astype(jnp.float16)
-                            for q in q_parts)
-        q = q_parts[0]
+            q = (q.astype(jnp.float32) * sm_scale).astype(jnp.float16)
 
         first_pos = kv_len - (q_end - q_start) + block_start - q_start
         kv_hi = kv_len - (q_end - q_start) + jnp.minimum(block_start + block_q, q_end) - q_start
@@ -182,8 +175,6 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # fold into one multiply of the scores (sm_scale not again where q carries it).
         q_scale = 1.0 if scaled_q else sm_scale
         qk_scale = (q_scale * _LOG2E if soft_cap is None else q_scale / soft_cap) * k_scale
-        if k_pairs:
-            qk_scale *= _FP8_IN_F16_SCALE
 
         def tile_slots(t, kv_pos, kv_valid):
             """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""
@@ -210,12 +201,10 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
                 other=zero if masked else None)
             # a float8 cache is widened to the dots' dtype in registers (its scales fold into
             # qk_scale and the output)
-            k = load(k_ref, k_cols, 0 if k_pairs else 0.0)
-            k_parts = _fp8_pairs_to_f16(k) if k_pairs else (k.astype(q.dtype),)  # [Bk, D or D/2]
+            k = load(k_ref, dims, 0.0).astype(q.dtype)  # [Bk, D]
             v = load(v_ref, v_cols, 0 if v_pairs else 0.0)
             v_parts = _fp8_pairs_to_f16(v) if v_pairs else (v.astype(q.dtype),)  # [Bk, D or D/2]
-            s = sum(pltriton.dot(qp, kp, trans_b=True, precision=dot_precision)
-                    for qp, kp in zip(q_parts, k_parts)) * qk_scale  # [R, Bk]
+            s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s)
             if masked:
@@ -358,7 +347,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
                       block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
                       fill_value: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
                       v_pairs: bool | None = None, only: str | None = None,
-                      out: jax.Array | None = None, k_pairs: bool | None = None):
+                      out: jax.Array | None = None):
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
     rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
     element it should have written and did not shows. v_pairs: read float8 V pages as int16
@@ -411,16 +400,11 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     v_flat = v_cache.reshape(flat)
     if v_pairs is None:
         v_pairs = decode_bucket and num_kv_splits == 1
-    if k_pairs is None:
-        k_pairs = v_pairs
     if v_pairs and fp8_pages and q.dtype.itemsize == 2:
         v_flat = jax.lax.bitcast_convert_type(v_flat.reshape(*flat[:2], head_dim // 2, 2),
                                               jnp.int16)
-    k_flat = k_cache.reshape(flat)
-    if k_pairs and fp8_pages and q.dtype.itemsize == 2:
-        k_flat = jax.lax.bitcast_convert_type(k_flat.reshape(*flat[:2], head_dim // 2, 2),
-                                              jnp.int16)
-    inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q, k_flat, v_flat)
+    inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q, k_cache.reshape(flat),
+              v_flat)
     outs = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, num_kv_heads, num_kv_splits),

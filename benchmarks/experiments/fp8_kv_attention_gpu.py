@@ -29,16 +29,11 @@ FP8 = jnp.float8_e4m3fn
 
 
 def variants(case: str, cpu: bool) -> list[tuple[str, dict]]:
-    """(cache dtype, _triton_attention's keywords): each cache at its default, FP8 with K read
-    as int16 pairs too (as V); on the 512-sequence decode those at other tiles; on the mixed bucket the decodes at the
-    prefill tiling (one launch) or apart (the entry's default)."""
+    """(cache dtype, _triton_attention's keywords): each cache at its default; on the mixed
+    bucket the decodes at the prefill tiling (one launch) or apart (the entry's default)."""
     if case.startswith("mixed"):
         return [("fp8", dict(only=None)), ("fp8", dict(only="split"))]
-    out = [("bf16", {}), ("fp8", dict(k_pairs=False)), ("fp8", dict(k_pairs=True))]
-    if case == "decode 512x1536" and not cpu:
-        out += [("fp8", dict(k_pairs=True, block_k=bk, num_warps=nw, num_stages=ns))
-                for bk, nw, ns in ((128, 4, 2), (64, 4, 3))]
-    return out
+    return [("bf16", {}), ("fp8", {})]
 
 
 def attention(q, args, cache, cpu, kw):

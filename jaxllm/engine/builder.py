@@ -20,6 +20,7 @@ from jaxllm.engine.model_setup import ShardedModel, engine_mesh, load_for_engine
 from jaxllm.engine.pooling_builder import build_pooling_engine
 from jaxllm.loader.eagle_loader import load_eagle_head, read_eagle_args
 from jaxllm.models import ModelArgs
+from jaxllm.models import quant
 from jaxllm.models.attention import attention_backend
 from jaxllm.sharding.mesh import make_mesh
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
@@ -195,7 +196,14 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                        lean_steps=config.runner_config.lean_steps, **_spec_runner_args(config),
                        pipeline=_make_pipeline(sharded, allocate),
                        lora_slots=_lora_slots(config, sharded),
-                       drafter=_make_drafter(config, sharded, dp_size * num_blocks))
+                       drafter=_make_drafter(config, sharded, dp_size * num_blocks),
+                       one_token_bucket=_runs_fp8_gemv(sharded, dp_size))
+
+
+def _runs_fp8_gemv(sharded: ShardedModel, dp_size: int) -> bool:
+    """Whether one-token steps take FP8 weights' GEMV (one device, FP8 projections)."""
+    return (sharded.tp == 1 and sharded.pipeline is None and dp_size == 1
+            and quant.has_fp8_weights(sharded.loaded.params))
 
 
 def _lora_slots(config: EngineConfig, sharded: ShardedModel):

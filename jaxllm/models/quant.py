@@ -43,9 +43,9 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
 SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu from here on: see fp8_swiglu_applies
-# the W8A16 GEMV up to here (see fp8_gemv_applies); a step's tokens are padded to a bucket,
-# the smallest 16 (worker/model_runner.py's token_buckets)
-GEMV_MAX_TOKENS = 16
+# the W8A16 GEMV up to here (see fp8_gemv_applies): one row; the runner gives FP8 engines a
+# one-token bucket (worker/model_runner.py's token_buckets) for it
+GEMV_MAX_TOKENS = 1
 
 
 @jax.tree_util.register_dataclass
@@ -120,6 +120,12 @@ def fp8_gemv_applies(x: jax.Array) -> bool:
     (there the weight read is the whole cost, and cuBLAS's FP8 GEMM falls short of it, besides
     the activations' quantisation), on one device (the kernel sees w's output axes as one)."""
     return x.shape[0] <= GEMV_MAX_TOKENS and on_one_device()
+
+
+def has_fp8_weights(params) -> bool:
+    """Whether any projection in params is an Fp8Weight (the GEMV's kind)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Fp8Weight))
+    return any(isinstance(leaf, Fp8Weight) for leaf in leaves)
 
 
 def _fp8_gemv(x: jax.Array, w: Fp8Weight) -> jax.Array:

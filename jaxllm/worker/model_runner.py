@@ -131,7 +131,7 @@ class ModelRunner:
                  dp_size: int = 1, lean_steps: bool | None = None, num_spec_tokens: int = 0,
                  max_spec_seqs: int = 0, pipeline: Pipeline | None = None,
                  lora_slots: LoRASlots | None = None,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, one_token_bucket: bool = False) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
@@ -153,7 +153,10 @@ class ModelRunner:
         adapter slot; the stacks ride in params["lora"].
 
         drafter (EAGLE, draft model): drafts on device after each step whose batch may
-        speculate (fewer than max_spec_seqs + 1 sequences)."""
+        speculate (fewer than max_spec_seqs + 1 sequences).
+
+        one_token_bucket: a bucket of one token below the others, for a model whose step costs
+        less with one row than with 16 (FP8 weights' GEMV, models/quant.py)."""
         self.pipeline = pipeline
         self.lora = lora_slots
         self.params = params if lora_slots is None else lora_slots.with_stacks(params)
@@ -161,7 +164,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.dp_size = dp_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = [1] * one_token_bucket + token_buckets(max_num_batched_tokens)
         num_rows = dp_size * max_num_seqs  # penalty rows of every rank's sequences
         # Its own jit, so that tracing it once per bucket serves every program of the bucket.
         self.model = StepModel(jax.jit(model_fn, static_argnames=("return_hidden",)),
