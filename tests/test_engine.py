@@ -127,20 +127,27 @@ def test_greedy_matches_hf_with_chunked_prefill(async_scheduling, tiny_model_dir
 
 
 def plain_params(rng: random.Random) -> SamplingParams:
-    """What a lean step can serve: no top-k/top-p, no logprobs."""
+    """What a lean step can serve: no penalties, no top-k/top-p, no logprobs."""
     return SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), min_p=rng.choice([0.0, 0.1]),
-                          repetition_penalty=rng.choice([1.0, 1.2]),
-                          frequency_penalty=rng.choice([0, 0.3]), seed=rng.choice([None, 7]),
-                          n=rng.choice([1, 2]), max_tokens=rng.randint(1, 40))
+                          seed=rng.choice([None, 7]), n=rng.choice([1, 2]),
+                          max_tokens=rng.randint(1, 40))
 
 
-def record_programs(llm) -> list[str]:
-    """Which program (sampler stages) each dispatched step ran."""
+def uses_penalties(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1 or params.presence_penalty != 0
+            or params.frequency_penalty != 0)
+
+
+def record_programs(llm) -> list[tuple[str, bool]]:
+    """Which program (sampler stages) each dispatched step ran, and whether the step computed
+    tokens of a request that uses penalties."""
     runner, programs = llm.llm_engine.runner, []
     dispatch = runner._dispatch
 
     def recording(inputs, stages="cond"):
-        programs.append(stages)
+        rows = set(inputs.token_rows.tolist())
+        programs.append((stages, any(uses_penalties(s.sampling_params)
+                                     for s in runner.requests.states.values() if s.row in rows)))
         return dispatch(inputs, stages)
     runner._dispatch = recording
     return programs
@@ -172,30 +179,51 @@ def test_no_compilation_after_warmup(async_scheduling, lean_steps, tiny_llama_di
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
-    assert set(programs) == ({"plain", "all"} if lean_steps else {"cond"}), set(programs)
+    assert {stages for stages, _ in programs} == ({"plain", "all"} if lean_steps else {"cond"})
     assert_all_blocks_free(llm)
 
 
 def test_lean_steps_generate_what_cond_steps_generate(tiny_llama_dir):
     """The cond-free programs (and prompt logprobs after the step) against the one program
-    with conds: the same tokens, logprobs and prompt logprobs."""
+    with conds: the same tokens, logprobs and prompt logprobs. PLAIN leaves the penalty state
+    be. Requests with penalties whose prompts take several steps run beside requests that
+    sample in those steps: every step a penalty request is in must run ALL (the first resets
+    its row, each records a chunk of its prompt), though it samples in the last only. The
+    requests outnumber the rows, some are preempted, and resumed requests and repeated
+    prompts hit the prefix cache."""
     rng = random.Random(3)
     prompts = random_prompts(21, 6, 300, lengths=(2, 40))
     params = [plain_params(rng) for _ in prompts]
     for p in params:
         p.seed = 5 if p.seed is None else p.seed  # unseeded draws differ between engines
+    long_prompts = random_prompts(22, 3, 300, lengths=(50, 80))
+    penalised = [SamplingParams(temperature=0, repetition_penalty=2.0, max_tokens=16),
+                 SamplingParams(temperature=0.9, seed=2, repetition_penalty=1.5,
+                                frequency_penalty=1.5, max_tokens=16),
+                 SamplingParams(temperature=0, presence_penalty=2.0, repetition_penalty=0.5,
+                                max_tokens=16)]
     filtered = [SamplingParams(temperature=0.8, top_p=0.7, top_k=9, logprobs=3, seed=1,
                                max_tokens=12),
                 SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=5)]
     got = {}
     for lean in (False, True):
-        llm = make_llm(tiny_llama_dir, enforce_eager=True, lean_steps=lean)
-        programs = record_programs(llm)
-        runs = [llm.generate(prompts, params, use_tqdm=False),
-                llm.generate(prompts[:2], filtered, use_tqdm=False)]
+        llm = make_llm(tiny_llama_dir, enforce_eager=True, lean_steps=lean,
+                       max_num_batched_tokens=16, num_gpu_blocks_override=24)
+        programs, runner = record_programs(llm), llm.llm_engine.runner
+        before = jax.tree.map(np.array, runner.state.penalty_state)
+        runs = [llm.generate(prompts, params, use_tqdm=False)]
+        after = jax.tree.map(np.array, runner.state.penalty_state)
+        runs += [llm.generate(prompts + long_prompts * 2, params + penalised * 2,
+                              use_tqdm=False),
+                 llm.generate(prompts[:2], filtered, use_tqdm=False)]
         got[lean] = [[(c.token_ids, c.logprobs) for c in o.outputs] + [o.prompt_logprobs]
                      for run in runs for o in run]
-        assert set(programs) == ({"plain", "all"} if lean else {"cond"}), set(programs)
+        if lean:  # PLAIN (the saving) wherever no request uses penalties
+            assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
+            assert {stages for stages, penalties in programs if penalties} == {"all"}
+            assert "plain" in {stages for stages, penalties in programs if not penalties}
+        else:
+            assert {stages for stages, _ in programs} == {"cond"}
         assert_all_blocks_free(llm)
     assert got[True] == got[False]
 @pytest.fixture(scope="module")

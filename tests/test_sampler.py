@@ -244,23 +244,29 @@ def test_seeded_request_reproduces_regardless_of_batch():
 
 def test_stage_modes_draw_the_same_tokens():
     """The runner's cond-free programs must give a batch what the cond program gives it:
-    "plain" (no top-k/top-p, no logprobs) for batches that need neither, "all" for any batch."""
+    "plain" (no penalties, no top-k/top-p, no logprobs) for batches that need none, "all" for
+    any batch. "plain" leaves penalties unapplied, as if no row had any."""
     rng = np.random.default_rng(9)
     state, _, _ = random_penalty_state(rng)
     modes = {m: jax.jit(partial(sampler.sample, stages=m)) for m in ("cond", "all", "plain")}
     plain = [
         [SamplingParams(temperature=0)] * 3,  # all greedy
         [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
+         SamplingParams(temperature=1.3, min_p=0.1)],
+        [SamplingParams(temperature=1.0, min_tokens=4)],
+    ]
+    penalised = [
+        [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
          SamplingParams(temperature=1.3, min_p=0.1, repetition_penalty=1.4),
          SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0)],
-        [SamplingParams(temperature=1.0, min_tokens=4)],
     ]
     filtered = [
         [SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=0, logprobs=3),
          SamplingParams(temperature=1.2, top_p=0.6, presence_penalty=1.5)],
         [SamplingParams(temperature=0.7, top_p=0.9, top_k=20, logprobs=2, min_p=0.05)],
     ]
-    for i, params in enumerate(plain + filtered):
+    neutral = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+    for i, params in enumerate(plain + penalised + filtered):
         params = [SamplingParams(**{**vars(p), "all_stop_token_ids": {5, 9}}) for p in params]
         logits = logits_of(40 + i, 8, scale=1.0)
         seq_rows = rng.permutation(MAX_SEQS)[:8].astype(np.int32)
@@ -268,9 +274,12 @@ def test_stage_modes_draw_the_same_tokens():
         state = record_jit(state, logits.argmax(-1), seq_rows, np.ones(8, bool),
                            np.full(4, GARBAGE, np.int32))
         md = build_sampling_metadata(params, [1] * len(params), [11 + i] * len(params), 8)
-        assert bool(md.any_top_k_top_p or md.any_logprobs) == (i >= len(plain))
+        unpenalised = build_sampling_metadata([SamplingParams(**{**vars(p), **neutral})
+                                               for p in params], [1] * len(params),
+                                              [11 + i] * len(params), 8)
+        assert bool(md.any_top_k_top_p or md.any_logprobs) == (i >= len(plain + penalised))
         for step in range(5):
-            md.output_index[:len(params)] = step
+            md.output_index[:len(params)] = unpenalised.output_index[:len(params)] = step
             out = {m: fn(jnp.asarray(logits), md, state, jnp.asarray(seq_rows))
                    for m, fn in modes.items()}
             np.testing.assert_array_equal(out["all"].token_ids, out["cond"].token_ids)
@@ -278,8 +287,12 @@ def test_stage_modes_draw_the_same_tokens():
                 if md.any_logprobs:
                     np.testing.assert_array_equal(getattr(out["all"].logprobs, field),
                                                   getattr(out["cond"].logprobs, field))
-            if i < len(plain):
-                np.testing.assert_array_equal(out["plain"].token_ids, out["cond"].token_ids)
+            if i >= len(plain + penalised):
+                continue
+            want = modes["cond"](jnp.asarray(logits), unpenalised, state, jnp.asarray(seq_rows))
+            np.testing.assert_array_equal(out["plain"].token_ids, want.token_ids)
+            if i >= len(plain):  # a greedy row's penalties move its token, unless "plain"
+                assert out["plain"].token_ids[3] != out["cond"].token_ids[3]
 
 
 def test_temperature_sampling_matches_softmax():

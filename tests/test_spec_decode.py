@@ -222,13 +222,13 @@ def check_distribution(samples: np.ndarray, probs: np.ndarray) -> None:
 def test_penalties_count_earlier_drafts():
     """Row 1 of a run sees draft d0 as an output: with a large frequency penalty, a greedy row
     whose argmax is d0 picks another token, exactly as if d0 had been generated."""
-    logits = jnp.array([[0.0, 2.5, 1.0, 0.0], [0.0, 2.5, 1.0, 0.0]])
+    logits = jnp.zeros((2, 32)).at[:, 1:3].set(jnp.array([2.5, 1.0]))  # "all": top-20 logprobs
     params = SamplingParams(temperature=0.0, frequency_penalty=2.0)
     md = build_sampling_metadata([params] * 2, output_indices=[0, 1], seeds=[0, 0],
                                  num_seqs_padded=2)
     prior = jnp.array([[-1], [1]])
-    out = jax.jit(sample, static_argnums=4)(logits, md, init_penalty_state(1, 4),
-                                            jnp.zeros(2, jnp.int32), "plain", prior)
+    out = jax.jit(sample, static_argnums=4)(logits, md, init_penalty_state(1, 32),
+                                            jnp.zeros(2, jnp.int32), "all", prior)
     assert out.token_ids.tolist() == [1, 2]
 
 
@@ -468,6 +468,24 @@ def test_stop_strings_inside_an_accepted_run(llm_pair):
     assert max(dropped) > 0, "no stop string fell inside an accepted run"
     assert_all_blocks_free(llm_pair[True])
 
+
+
+def test_lean_steps_verify_what_cond_steps_verify(tiny_llama_dir):
+    """The cond-free programs with drafts (PLAIN for batches without penalties, ALL counting
+    the accepted drafts otherwise) against the one program with conds: the same tokens."""
+    prompts = repetitive_prompts(5, 8)
+    plain = [SamplingParams(temperature=0.1 * (i % 2), seed=i, max_tokens=30) for i in range(8)]
+    # a penalty small enough that drafts are still accepted, and counted
+    penalised = [SamplingParams(temperature=0.1 * (i % 2), seed=i, max_tokens=30,
+                                frequency_penalty=0.1) for i in range(8)]
+    got = {}
+    for lean in (False, True):
+        llm = make_llm(tiny_llama_dir, True, lean_steps=lean, max_num_batched_tokens=16,
+                       max_num_seqs=4)
+        got[lean] = [token_ids(llm.generate(prompts, params, use_tqdm=False))
+                     for params in (plain, penalised)]
+        assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+    assert got[True] == got[False]
 
 
 def test_no_compilation_after_warmup(tiny_llama_dir):

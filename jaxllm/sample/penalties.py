@@ -2,10 +2,12 @@
 
 Each running request owns one row of `PenaltyState` for its life (`seq_rows` maps the step's
 sequences to rows); the last row is a garbage row that padding tokens and padding sequences
-point at. The runner feeds every step's input tokens through `record_tokens` before sampling:
-each position of a request is fed exactly once per row life (prefill chunks feed the prompt,
+point at. The runner feeds every step's input tokens through `record_tokens` before sampling,
+except in steps where no request uses penalties (its PLAIN programs): each position of a
+request that uses penalties is fed exactly once per row life (prefill chunks feed the prompt,
 a decode step feeds the previous output token, recompute after preemption re-feeds everything
-after a reset), so the counts are exact when the next token is sampled.
+after a reset), so the counts are exact when the next token is sampled. The counts of other
+rows may be stale: their neutral penalties leave the logits unchanged.
 """
 
 from __future__ import annotations

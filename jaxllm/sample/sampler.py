@@ -54,10 +54,11 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
 
     stages (static): "cond" runs each optional stage (penalties, the random draw, top-k/top-p,
     logprobs) under a lax.cond on its batch flag, so one program serves any batch (a CPU runs a
-    cond for free); "all" runs every stage and "plain" every stage but top-k/top-p and logprobs,
-    both without a cond, since on a GPU each cond makes the host wait for the device (the
-    runner picks one of the two per batch). A stage leaves rows that do not use it unchanged,
-    so the three draw the same tokens.
+    cond for free); "all" runs every stage and "plain" every stage but penalties, top-k/top-p
+    and logprobs, both without a cond, since on a GPU each cond makes the host wait for the
+    device (the runner picks one of the two per batch, "plain" only when no request of the
+    step uses penalties). A stage leaves rows that do not use it unchanged, so the three draw
+    the same tokens.
 
     prior_draft_ids [S, K] (speculative decoding, rejection.py): the draft tokens before each
     row's position, which the penalties count as outputs.
@@ -70,8 +71,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
     penalize = lambda x: apply_penalties(x, state, seq_rows, md.presence_penalty,  # noqa: E731
                                          md.frequency_penalty, md.repetition_penalty,
                                          extra_counts)
-    logits = (jax.lax.cond(md.any_penalties, penalize, lambda x: x, logits) if stages == "cond"
-              else penalize(logits))
+    if stages == "cond":
+        logits = jax.lax.cond(md.any_penalties, penalize, lambda x: x, logits)
+    elif stages == "all":
+        logits = penalize(logits)
     logits = mask_ids(logits, md.min_tokens_stop_ids)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = md.temperature < _SAMPLING_EPS

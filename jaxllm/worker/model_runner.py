@@ -74,11 +74,6 @@ def _until_negative(values: np.ndarray) -> list[int]:
     return values[:ends[0] if ends.size else len(values)].tolist()
 
 
-def _uses_penalties(params) -> bool:
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
-
-
 @dataclass
 class ModelRunnerOutput:
     # Per request that sampled: its new tokens (one; with draft tokens, the accepted ones and
@@ -137,11 +132,11 @@ class ModelRunner:
 
         lean_steps (default: on a GPU): no lax.cond in any step. On a GPU every cond makes the
         host wait for the device to reach it (XLA reads the predicate back), which stalls async
-        scheduling. Each bucket then has two programs, PLAIN (no top-k/top-p, no logprobs)
-        for the batches that use neither and ALL (every sampler stage for every row) for the
-        rest, and prompt logprobs run as a program of their own after the step, only when
-        asked. Without lean steps one program per bucket runs each optional stage under a
-        cond (COND), which is free on a CPU.
+        scheduling. Each bucket then has two programs, PLAIN (no penalties, no top-k/top-p,
+        no logprobs) for the batches that use none of them and ALL (every sampler stage for
+        every row) for the rest, and prompt logprobs run as a program of their own after the
+        step, only when asked. Without lean steps one program per bucket runs each optional
+        stage under a cond (COND), which is free on a CPU.
 
         num_spec_tokens > 0 (speculative decoding, one DP rank): steps verify up to that many
         draft tokens for up to max_spec_seqs sequences (worker/draft_rows.py).
@@ -244,11 +239,18 @@ class ModelRunner:
         return (out.token_ids, out.hidden if out.aux is None else out.aux, out.sampled.token_ids,
                 out.num_accepted)
 
-    def _stages_for(self, inputs: StepInputs) -> SamplerStages:
+    def _stages_for(self, inputs: StepInputs, chunks: list[ScheduledChunk]) -> SamplerStages:
+        """ALL when a sampling row uses top-k/top-p or logprobs, or when any scheduled request
+        uses penalties, sampling or not: PLAIN neither resets penalty rows nor records tokens,
+        and such a request needs both in every step it is in (its first resets its row, which
+        another request may have left stale; each chunk of a long prompt counts)."""
         if not self.lean_steps:
             return SamplerStages.COND
         md = inputs.sampling
-        return SamplerStages.ALL if md.any_top_k_top_p or md.any_logprobs else SamplerStages.PLAIN
+        if (md.any_top_k_top_p or md.any_logprobs
+                or any(c.state.uses_penalties for c in chunks)):
+            return SamplerStages.ALL
+        return SamplerStages.PLAIN
 
     def release(self, request_ids) -> None:
         """Drops the state of finished or preempted requests (a step with nothing scheduled)."""
@@ -267,11 +269,12 @@ class ModelRunner:
         rank_chunks = [self.requests.apply(out) for out in rank_outputs]
         if self.lora is not None:
             self._assign_lora_slots(scheduler_output)
-        self._record_histories([c for chunks in rank_chunks for c in chunks])
+        chunks = [c for rank in rank_chunks for c in rank]
+        self._record_histories(chunks)
         num_tokens_padded, num_seqs_padded = self.bucket_for(
             max(out.total_num_scheduled_tokens for out in rank_outputs))
         inputs, placement = self._build_inputs(rank_chunks, num_tokens_padded, num_seqs_padded)
-        out, prompt_logprobs = self._dispatch(inputs, self._stages_for(inputs))
+        out, prompt_logprobs = self._dispatch(inputs, self._stages_for(inputs, chunks))
         return LaunchedStep(*placement, out.sampled, prompt_logprobs, out.num_accepted,
                             self._draft(inputs, out, placement[0], placement[1]))
 
@@ -294,7 +297,7 @@ class ModelRunner:
         when it uses penalties its penalty row starts over here with them (prompt tokens mark
         the prompt mask, a resumed request's outputs count), and the step leaves the row be."""
         history = [c for c in chunks
-                   if c.state.new and c.start and _uses_penalties(c.state.sampling_params)]
+                   if c.state.new and c.start and c.state.uses_penalties]
         if not history:
             return
         lengths = [c.start for c in history]

@@ -24,6 +24,14 @@ class RequestState:
     num_computed_tokens: int = 0
     new: bool = True  # created by this step: its penalty row starts over
     lora_slot: int = 0  # the device slot of its LoRA adapter (0: the base model)
+    # Some penalty is on: every step it is in records its tokens (the runner's _stages_for).
+    uses_penalties: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Once per request, not per step: the runner asks of every scheduled request each step.
+        p = self.sampling_params
+        self.uses_penalties = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                               or p.frequency_penalty != 0.0)
 
 
 @dataclass(slots=True)

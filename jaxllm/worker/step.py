@@ -1,7 +1,9 @@
 """The jitted step: model, then sampler, over one packed buffer of named inputs.
 
 One program per (bucket layout, sampler stages). The KV cache, the penalty state and
-`last_sampled` (StepState) are donated and come back updated. Placeholder tokens
+`last_sampled` (StepState) are donated and come back updated; PLAIN programs return the
+penalty state untouched (the runner runs them only for steps in which no request uses
+penalties, and only such a request's counts change what it samples). Placeholder tokens
 (PLACEHOLDER_TOKEN_ID: "what the step in flight samples for this request") are filled in on
 device from `last_sampled`, one token per penalty row that every step updates, before the
 embedding and the penalty counts see them; device order makes this exact.
@@ -129,16 +131,19 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
                                                     return_hidden=True)
     aux = aux[0] if aux else None
     logits = _gather_logits(logits, model.logits_split)
-    penalty_state = sampler.record_tokens(state.penalty_state, batch.token_ids,
-                                          inputs.token_rows, inputs.token_is_output,
-                                          inputs.reset_rows)
+    penalty_state, penalties = state.penalty_state, stages != SamplerStages.PLAIN
+    if penalties:
+        penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, inputs.token_rows,
+                                              inputs.token_is_output, inputs.reset_rows)
     rows = inputs.draft_rows
     sampled = sampler.sample(logits, inputs.sampling, penalty_state, inputs.seq_rows, stages,
                              None if rows is None else rows.prior_draft_ids)
     last_tokens, num_accepted = sampled.token_ids, None
     if rows is not None:
         verified = rejection.verify(sampled.token_ids, rows)
-        penalty_state = rejection.record_accepted(penalty_state, inputs.seq_rows, rows, verified)
+        if penalties:
+            penalty_state = rejection.record_accepted(penalty_state, inputs.seq_rows, rows,
+                                                      verified)
         last_tokens, num_accepted = verified.last_token, verified.num_accepted
     last_sampled = state.last_sampled.at[inputs.sample_rows].set(last_tokens)
     new_state = StepState(kv_caches, penalty_state, last_sampled)
