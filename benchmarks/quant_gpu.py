@@ -124,7 +124,7 @@ def main() -> None:
         return LLM(**{**base, **kw})
 
     batch1 = [(kind, {"quantization": "fp8"} if kind == "fp8" else {})
-              for kind in cli.batch1_weights]
+              for kind in BATCH1_WEIGHTS if kind in cli.batch1_weights]  # bf16 first, as ever
     for kind, kw in batch1 if "batch1" in cli.tests else ():
         llm = build(max_num_seqs=1, enforce_eager=kind == "int4" or cli.cpu, **kw)
         if kind == "int4":

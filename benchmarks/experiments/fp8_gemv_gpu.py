@@ -1,9 +1,9 @@
 """One GPU call, under 4 minutes: the W8A16 FP8 GEMV (pallas_kernels/fp8_gemv.py) against the
 bf16 XLA dot and today's W8A8 path (quant._fp8_w8a8: x quantised per token, cuBLAS's FP8 dot,
-both scales), on Llama-3.1-8B's four projections at 1 to 16 tokens (16: the engine's smallest
-token bucket, so batch-1 decode), with a sweep of the kernel's tilings at one token; every output
-checked against the reference before it is timed. bf16 is timed at 1 and 16 tokens only (a
-weight read at any of these token counts).
+both scales), on Llama-3.1-8B's four projections at 1 to 16 tokens (1: the one-token bucket
+FP8 engines get, so batch-1 decode; 16: the next bucket), with a sweep of the kernel's tilings
+at one token; every output checked against the reference before it is timed. bf16 is timed at
+1 and 16 tokens only (a weight read at any of these token counts).
 
     python benchmarks/experiments/fp8_gemv_gpu.py --out DIR [--cpu] [--budget-s 190]
 
@@ -13,8 +13,8 @@ several weight copies (together over 256 MiB, so every call reads its weights fr
 pct_bw: % of the FP8 weight-read floor (the fp8 bytes over the measured copy bandwidth) for
 every path, bf16 included. err: the largest over rows of max |out - ref| / max |ref|, against
 the GEMV's fp32 reference for the FP8 paths (W8A8's includes x's float8 rounding) and the fp32
-product for bf16. Work runs most telling first (one token, then 16, 8, the one-token sweep, 2
-and 4); what would start past --budget-s is left out as a `skipped` row. DIR gets
+product for bf16. Work runs most telling first (one token, then 16, the one-token sweep, 2 and
+8); what would start past --budget-s is left out as a `skipped` row. DIR gets
 fp8_gemv.json; a table of us per layer (the projections summed) prints last.
 """
 
@@ -32,22 +32,19 @@ import jax.numpy as jnp
 from jaxllm.models import quant
 from pallas_kernels.bench import timed_variant
 from pallas_kernels.ceilings import measure_ceilings
-from pallas_kernels.fp8_gemv import MMA_MIN_ROWS, fp8_gemv, fp8_gemv_reference
+from pallas_kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference
 
 SHAPES = {"gpu": {"qkv": (4096, (6144,)), "o": (4096, (4096,)),
                   "gate_up": (4096, (2, 14336)), "down": (14336, (4096,))},
           "cpu": {"qkv": (256, (384,)), "gate_up": (320, (2, 96))}}
 # (tokens, whether bf16 is timed, the GEMV's variants beside W8A8 and its defaults), the most
-# telling first: one token, the smallest bucket, the other way of each (mma), tilings at one token
-PLAN = {"gpu": [(1, True, []), (16, True, [dict(block_n=128, num_warps=8)]),
-                (8, False, [dict(mma=False)]),
+# telling first: one token (its bucket), the smallest bucket past it, tilings at one token
+PLAN = {"gpu": [(1, True, []), (16, True, []),
                 (1, False, [dict(block_n=16, block_k=512), dict(block_n=64, num_warps=8),
                             dict(block_n=32, block_k=512, num_warps=8),
-                            dict(block_n=64, block_k=128), dict(splits=8),
-                            dict(mma=True), dict(mma=True, block_n=128, num_warps=8),
-                            dict(mma=True, num_stages=4)]),
-                (2, False, [dict(mma=False)]), (4, False, [dict(mma=False)])],
-        "cpu": [(1, True, []), (3, True, [dict(mma=False, block_n=32, block_k=64)]),
+                            dict(block_n=64, block_k=128), dict(splits=8)]),
+                (2, False, []), (8, False, [])],
+        "cpu": [(1, True, []), (3, True, [dict(block_n=32, block_k=64)]),
                 (1, False, [dict(block_n=16, block_k=64, splits=3)])]}
 ROTATE_BYTES = {"gpu": 256 << 20, "cpu": 0}
 
@@ -115,7 +112,7 @@ def main() -> None:
                 row = dict(tokens=tokens, proj=proj, k=k, n=n, path=name, **(tiles or {}),
                            floor_us=k * n / copy / 1e3)
                 if tiles == {}:  # the kernel's defaults, and which way they took
-                    row.update(defaults=True, mma=tokens >= MMA_MIN_ROWS)
+                    row.update(defaults=True)
                 if time.perf_counter() - start > cli.budget_s:
                     log["rows"].append(dict(row, skipped=True))
                     continue
@@ -150,7 +147,7 @@ def print_table(log: dict) -> None:
     print(f"\n{log['device']}  copy {log['copy_GBps']:.0f} GB/s  elapsed "
           f"{log['elapsed_s']:.0f} s  skipped {sum(1 for r in log['rows'] if r.get('skipped'))}"
           f"  errors {sum(1 for r in log['rows'] if 'error' in r)}")
-    tile_keys = ("defaults", "mma", "block_n", "block_k", "num_warps", "num_stages", "splits")
+    tile_keys = ("defaults", "block_n", "block_k", "num_warps", "num_stages", "splits")
     for tokens in sorted({r["tokens"] for r in rows}):
         at = [r for r in rows if r["tokens"] == tokens]
         projs = sorted({r["proj"] for r in at})
