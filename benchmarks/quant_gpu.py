@@ -1,5 +1,5 @@
 """One H200 call: what quantisation buys on the Llama-3.1-8B shape (dummy weights), printed a row
-at a time and written to OUT/quant_gpu.json and .md.
+at a time (and to OUT/rows.jsonl as it goes) and written to OUT/quant_gpu.json and .md.
 
     python benchmarks/quant_gpu.py --out DIR          # one H200, about 6 minutes
     python benchmarks/quant_gpu.py --out DIR --cpu    # a tiny shape, to test the script anywhere
@@ -115,9 +115,11 @@ def main() -> None:
     ceilings = roofline.measure_ceilings("bfloat16")
     rows = []
 
-    def record(row):
+    def record(row):  # also appended to rows.jsonl at once: a later crash keeps it
         rows.append(row)
         print(json.dumps(row), flush=True)
+        with open(os.path.join(cli.out, "rows.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     def build(**kw):
         gc.collect()
