@@ -29,6 +29,9 @@ _MASK_INIT = -1e30
 # it) read the value over 2^(15 - 7), the ratio of the two formats' exponent biases; exact for
 # every finite value, subnormals included.
 _FP8_IN_F16_SCALE = 256.0
+# Pallas's Triton lowering offsets arrays of up to 4 GiB with signed 32-bit integers, so a 1-byte
+# (float8) cache array larger than this would be read at wrapped addresses (2 to 4 GiB).
+MAX_1BYTE_CACHE_BYTES = 2**31
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
@@ -44,9 +47,7 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     _, page_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    token, seq, q_lens = _token_seqs(cu_q_lens, num_tokens)
     kv_len = kv_lens[seq]  # [T]
     q_pos = kv_len - q_lens[seq] + token - cu_q_lens[seq]  # [T]
     live = token < cu_q_lens[num_seqs[0]]
@@ -278,8 +279,7 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seq
                          f"num_kv_heads={num_kv_heads}")
     if head_dim not in (32, 64, 128, 256):
         raise ValueError(f"head_dim={head_dim} must be one of 32, 64, 128, 256")
-    if k_cache.dtype.itemsize == 1 and 2**31 < k_cache.size <= 2**32:
-        # Pallas's Triton lowering offsets arrays of up to 4 GiB with signed 32-bit integers
+    if k_cache.dtype.itemsize == 1 and MAX_1BYTE_CACHE_BYTES < k_cache.size <= 2**32:
         raise ValueError(f"A 1-byte KV cache array of {k_cache.size} bytes is not addressable "
                          f"by the Triton kernel: at most 2 GiB (2**31 bytes), or over 4 GiB")
     if kv_lens.shape != (max_seqs,) or cu_q_lens.shape != (max_seqs + 1,) or num_seqs.shape != (1,):
@@ -423,13 +423,18 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     return jnp.where(owned[:, None, None], _merge_splits(*outs).astype(q.dtype), rest)
 
 
+def _token_seqs(cu_q_lens, num_tokens):
+    """Each flat token [T], its sequence [T] (padding tokens: the last), and q_lens [S]."""
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), q_lens.shape[0] - 1)
+    return token, seq, q_lens
+
+
 def _owned_tokens(cu_q_lens, num_seqs, num_tokens, only):
     """[T] bool: the live tokens whose sequence is of the kind `only` names (None: all)."""
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    token, seq, q_lens = _token_seqs(cu_q_lens, num_tokens)
     live = token < cu_q_lens[num_seqs[0]]
     if only is None:
         return live
-    seq = jnp.searchsorted(cu_q_lens[1:], token, side="right")
-    q_lens = jnp.diff(cu_q_lens)
-    is_decode = q_lens[jnp.minimum(seq, q_lens.shape[0] - 1)] == 1
-    return live & (is_decode == (only == "decode"))
+    return live & ((q_lens[seq] == 1) == (only == "decode"))

@@ -111,7 +111,7 @@ def main() -> None:
             for name, tiles, fn in variants:
                 row = dict(tokens=tokens, proj=proj, k=k, n=n, path=name, **(tiles or {}),
                            floor_us=k * n / copy / 1e3)
-                if tiles == {}:  # the kernel's defaults, and which way they took
+                if tiles == {}:  # the kernel's defaults
                     row.update(defaults=True)
                 if time.perf_counter() - start > cli.budget_s:
                     log["rows"].append(dict(row, skipped=True))

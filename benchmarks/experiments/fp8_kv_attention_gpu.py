@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels.bench import (HEADS, attn_args, kv_bytes, random_batch, rel_err,
                                   timed_variant)
 from pallas_kernels.ceilings import measure_ceilings
-from pallas_kernels.ragged_paged_attention import (_triton_attention,
+from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 
 FP8 = jnp.float8_e4m3fn
@@ -39,10 +39,8 @@ def variants(case: str, cpu: bool) -> list[tuple[str, dict]]:
 def attention(q, args, cache, cpu, kw):
     """One launch, or (only="split") the entry's two: decodes, then the rest."""
     kw = dict(kw, sm_scale=0.088, interpret=cpu, k_scale=1.0 if cache == "bf16" else 2.0)
-    if kw.get("only") == "split":
-        kw.pop("only")
-        return _triton_attention(q, *args[1:], only="prefill", **kw,
-                                 out=_triton_attention(q, *args[1:], only="decode", **kw))
+    if kw.pop("only", None) == "split":
+        return ragged_paged_attention(q, *args[1:], **kw)
     return _triton_attention(q, *args[1:], **kw)
 
 

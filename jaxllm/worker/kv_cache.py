@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.worker.device_memory import pool_fraction
+from pallas_kernels.ragged_paged_attention import MAX_1BYTE_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,13 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 def cap_num_blocks(num_blocks: int, num_arrays_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int, dtype) -> int:
     """num_blocks, lowered where a 1-byte (float8) page array holding num_arrays_blocks per
-    block (the DP ranks' pools share one array) would pass 2 GiB: Pallas's Triton lowering
-    offsets arrays of 2 to 4 GiB with signed 32-bit integers, so the kernels would read and
-    write such a cache at wrapped addresses. No limit for wider dtypes (their element offsets
-    stay below 2**31 up to the 4 GiB where Pallas takes 64-bit ones)."""
+    block (the DP ranks' pools share one array) would pass what the Pallas kernels can address
+    (MAX_1BYTE_CACHE_BYTES). No limit for wider dtypes (their element offsets stay below 2**31
+    up to the 4 GiB where Pallas takes 64-bit ones)."""
     if jnp.dtype(dtype).itemsize != 1:
         return num_blocks
     block_bytes = num_arrays_blocks * block_size * num_kv_heads * head_dim
-    return min(num_blocks, (1 << 31) // block_bytes)
+    return min(num_blocks, MAX_1BYTE_CACHE_BYTES // block_bytes)
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
