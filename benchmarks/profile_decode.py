@@ -161,8 +161,8 @@ def main() -> None:
                  if a.lora_rank else {}))
     engine = llm.llm_engine
     if a.random_int4:
-        from quant_gpu import random_int4
-        engine.runner.params = random_int4(engine.runner.params)
+        from quant_gpu import use_random_int4
+        use_random_int4(engine)
     loras = _random_adapters(a.model, a.lora_rank, a.num_adapters, a.out) if a.lora_rank else []
     lora = loras[0] if loras else None
     results = {}

@@ -59,6 +59,15 @@ def random_int4(params: dict, group: int = 128) -> dict:
     return {**params, "layers": layers}
 
 
+def use_random_int4(engine) -> None:
+    """The engine's weights replaced by random_int4's, with the one-token bucket (the int4
+    GEMV's) that the builder gives an int4 checkpoint but did not give these bf16 weights."""
+    runner = engine.runner
+    runner.params = random_int4(runner.params)
+    if runner.buckets[0] != 1:
+        runner.buckets = [1] + runner.buckets
+
+
 def weight_bytes(args, kind: str) -> float:
     """A batch-1 step's weight bytes: projections at 2 / 1 / ~0.52 bytes (int4 with its bf16
     scales and uint8 zeros per group of 128), embedding row and LM head at 2."""
@@ -130,7 +139,7 @@ def main() -> None:
     for kind, kw in batch1 if "batch1" in cli.tests else ():
         llm = build(max_num_seqs=1, enforce_eager=kind == "int4" or cli.cpu, **kw)
         if kind == "int4":
-            llm.llm_engine.runner.params = random_int4(llm.llm_engine.runner.params)
+            use_random_int4(llm.llm_engine)
         ms = decode_ms(llm, scale["context"], scale["steps"])
         kv = scale["context"] * roofline.kv_bytes_per_token(args)
         floor_ms = 1e3 * (weight_bytes(args, kind) + kv) / ceilings.hbm_bytes_per_s

@@ -197,13 +197,14 @@ def _make_runner(config: EngineConfig, sharded: ShardedModel, dp_size: int,
                        pipeline=_make_pipeline(sharded, allocate),
                        lora_slots=_lora_slots(config, sharded),
                        drafter=_make_drafter(config, sharded, dp_size * num_blocks),
-                       one_token_bucket=_runs_fp8_gemv(sharded, dp_size))
+                       one_token_bucket=_runs_gemv(sharded, dp_size))
 
 
-def _runs_fp8_gemv(sharded: ShardedModel, dp_size: int) -> bool:
-    """Whether one-token steps take FP8 weights' GEMV (one device, FP8 projections)."""
+def _runs_gemv(sharded: ShardedModel, dp_size: int) -> bool:
+    """Whether one-token steps take the quantised weights' GEMVs (one device, FP8 or int4
+    projections)."""
     return (sharded.tp == 1 and sharded.pipeline is None and dp_size == 1
-            and quant.has_fp8_weights(sharded.loaded.params))
+            and quant.has_gemv_weights(sharded.loaded.params))
 
 
 def _lora_slots(config: EngineConfig, sharded: ShardedModel):

@@ -13,6 +13,8 @@ A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one o
   Int4Weight W4A16 (GPTQ/AWQ checkpoints, pallas_kernels/quant_matmul.py has the layout):
              qweight [K // 8, *out] int32, scales and zeros [K // group, *out], and `perm` [K]
              (GPTQ's act order: x's columns are gathered so each group's rows are contiguous).
+             Up to GEMV_MAX_TOKENS tokens a CUDA-core GEMV (pallas_kernels/int4_gemv.py), past
+             it the tensor-core kernel.
 `map_out(fn, ws)` applies a layout change of the output axes (models/fused.py's concatenation
 of q/k/v and stacking of gate/up) to plain and quantised weights alike.
 
@@ -36,15 +38,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import fp8_gemv, quant_matmul, silu_mul_fp8
+from pallas_kernels import fp8_gemv, int4_gemv, quant_matmul, silu_mul_fp8
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
 SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu from here on: see fp8_swiglu_applies
-# the W8A16 GEMV up to here (see fp8_gemv_applies): one row; the runner gives FP8 engines a
-# one-token bucket (worker/model_runner.py's token_buckets) for it
+# the GEMVs (W8A16, W4A16) up to here: one row; the runner gives engines with such weights a
+# one-token bucket (worker/model_runner.py's token_buckets) for them
 GEMV_MAX_TOKENS = 1
 
 
@@ -122,10 +124,11 @@ def fp8_gemv_applies(x: jax.Array) -> bool:
     return x.shape[0] <= GEMV_MAX_TOKENS and on_one_device()
 
 
-def has_fp8_weights(params) -> bool:
-    """Whether any projection in params is an Fp8Weight (the GEMV's kind)."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, Fp8Weight))
-    return any(isinstance(leaf, Fp8Weight) for leaf in leaves)
+def has_gemv_weights(params) -> bool:
+    """Whether any projection in params is an Fp8Weight or Int4Weight (the GEMVs' kinds)."""
+    kinds = (Fp8Weight, Int4Weight)
+    leaves = jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, kinds))
+    return any(isinstance(leaf, kinds) for leaf in leaves)
 
 
 def _fp8_gemv(x: jax.Array, w: Fp8Weight) -> jax.Array:
@@ -214,8 +217,12 @@ def _int4_local(x, qweight, scales, zeros, perm=None) -> jax.Array:
     if perm is not None:
         x = x[:, perm]
     x = jnp.pad(x, ((0, 0), (0, 8 * qweight.shape[0] - x.shape[1])))
-    matmul = (quant_matmul.int4_matmul if jax.default_backend() == "gpu"
-              else quant_matmul.int4_matmul_reference)
+    if jax.default_backend() != "gpu":
+        matmul = quant_matmul.int4_matmul_reference
+    elif x.shape[0] <= GEMV_MAX_TOKENS:
+        matmul = int4_gemv.int4_gemv
+    else:
+        matmul = quant_matmul.int4_matmul
     flat = lambda a: a.reshape(a.shape[0], -1)
     y = matmul(x, flat(qweight), flat(scales), flat(zeros))
     return y.reshape(x.shape[0], *qweight.shape[1:])

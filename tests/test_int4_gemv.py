@@ -1,0 +1,167 @@
+"""The W4A16 int4 GEMV: the Pallas kernel (interpret mode) against quant_matmul's reference and
+against numpy on the unpacked weights, its K splits, its checks, and its CUDA lowering."""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import lower_for_h200
+
+from jaxllm.models.quant import GEMV_MAX_TOKENS, Int4Weight, dequantize, linear
+
+from pallas_kernels import int4_gemv as gemv
+from pallas_kernels.int4_gemv import int4_gemv
+from pallas_kernels.quant_matmul import int4_matmul_reference, pack_int4
+
+# unit roundoff of x's dtype: one rounding errs by at most that, relatively
+UNIT = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11, jnp.float32: 2.0 ** -24}
+
+
+def random_inputs(seed, m, k, n, group, dtype):
+    """x never zero (rows of different magnitudes), 4-bit values over 0..15, scales over a
+    decade, asymmetric zero points over 0..15; -> (the kernel's args, q [K, N])."""
+    rng = np.random.default_rng(seed)
+    x = (rng.uniform(0.1, 2.0, (m, k)) * rng.choice([-1.0, 1.0], (m, k))
+         * rng.choice([0.1, 1.0, 10.0], (m, 1)))
+    q = rng.integers(0, 16, (k, n))
+    scales = rng.uniform(0.005, 0.05, (k // group, n))
+    zeros = rng.integers(0, 16, (k // group, n)).astype(np.uint8)
+    args = (jnp.asarray(x, jnp.float32).astype(dtype), jnp.asarray(pack_int4(q)),
+            jnp.asarray(scales, jnp.float32).astype(dtype), jnp.asarray(zeros))
+    return args, q
+
+
+def check(got, args, q):
+    """Element by element, against numpy's exact product on q (the scales as x's dtype holds
+    them) and against the reference (which also rounds each weight to x's dtype). Bounds: the
+    output's one rounding, the reference's weight roundings, and the fp32 sums (K roundings of
+    the terms summed; the kernel's, 16 s x (1 + q / 16) and 16 s (1 + z / 16) x, are under
+    32 s x)."""
+    x, _, scales, zeros = args
+    group = q.shape[0] // scales.shape[0]
+    u = UNIT[x.dtype.type]
+    s = np.repeat(np.asarray(scales, np.float64), group, 0)
+    w = (q - np.repeat(np.asarray(zeros, np.int64), group, 0)) * s
+    x64 = np.asarray(x, np.float64)
+    exact = x64 @ w
+    sums = q.shape[0] * 2.0 ** -24 * (np.abs(x64) @ (np.abs(w) + 32 * s))
+    got64 = np.asarray(got, np.float64)
+    assert np.all(np.abs(got64 - exact) <= u * np.abs(exact) + sums)
+    want = np.asarray(int4_matmul_reference(*args), np.float64)
+    bound = u * (np.abs(x64) @ np.abs(w)) + u * (np.abs(got64) + np.abs(want)) + sums
+    assert np.all(np.abs(got64 - want) <= bound)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("m,k,n,group,tiles", [
+    (1, 128, 200, 32, dict(block_n=64)),  # one chunk of four groups; N ragged
+    (3, 384, 200, 64, dict()),  # the defaults: block_n 128 over 200 columns
+    (1, 1024, 200, 128, dict(splits=3)),  # 8 chunks in 3 + 3 + 2
+    (3, 1024, 96, 1024, dict(block_n=32, splits=3)),  # one group, cut by the splits
+    (1, 384, 200, 384, dict(block_n=256, splits=1)),  # one group, one split
+    (3, 384, 72, 128, dict(block_n=16, splits=3)),  # a chunk a split
+])
+def test_kernel_matches_reference_and_numpy(m, k, n, group, tiles, dtype):
+    args, q = random_inputs(m * k + n + group, m, k, n, group, dtype)
+    got = int4_gemv(*args, interpret=True, **tiles)
+    assert got.shape == (m, n) and got.dtype == dtype
+    check(got, args, q)
+
+
+def test_a_split_count_leaving_ranges_empty_is_lowered():
+    """8 chunks in 5 splits would leave one empty (2 + 2 + 2 + 2 + 0): 4 run, same product."""
+    args, q = random_inputs(7, 1, 1024, 40, 64, jnp.float32)
+    got = int4_gemv(*args, splits=5, block_n=32, interpret=True)
+    check(got, args, q)
+    assert gemv._whole_splits(8, 5) == 4 and gemv._whole_splits(8, 3) == 3
+    assert gemv._whole_splits(3, 7) == 3
+
+
+def test_default_splits():
+    """The 8B's projections at the default block_n: gate/up's 224 N tiles need 2 splits, o's
+    and qkv's 8 (4 chunks each), down's 16 (7 chunks each); K short of two minimum splits is
+    never split."""
+    shapes = ((28672, 4096), (4096, 4096), (6144, 4096), (4096, 14336))
+    assert [gemv.default_splits(n, k, gemv.DEFAULT_BLOCK_N) for n, k in shapes] == [2, 8, 8, 16]
+    assert gemv.default_splits(64, 896, 64) == 1
+
+
+@pytest.mark.parametrize("shapes,tiles", [
+    (((1, 200), (16, 64), (2, 64), (2, 64)), {}),  # K not 8 x qweight's rows
+    (((1, 256), (32, 64), (3, 64), (3, 64)), {}),  # a group that does not divide K
+    (((1, 256), (32, 64), (2, 64), (2, 64)), dict(block_n=48)),
+    (((1, 256), (32, 64), (2, 64), (2, 64)), dict(splits=-1)),
+])
+def test_bad_arguments_raise(shapes, tiles):
+    dtypes = (jnp.bfloat16, jnp.int32, jnp.bfloat16, jnp.uint8)
+    args = [jnp.zeros(s, d) for s, d in zip(shapes, dtypes)]
+    with pytest.raises(ValueError):
+        int4_gemv(*args, interpret=True, **tiles)
+
+
+def test_kernel_lowers_for_cuda():
+    """The 8B's projections at one token, group 128, and a group of 32 (several parts a chunk)
+    at three fp32 rows."""
+    sds = jax.ShapeDtypeStruct
+    for m, k, n, group, dtype, tiles in [
+            (1, 4096, 6144, 128, jnp.bfloat16, {}), (1, 4096, 4096, 128, jnp.float16, {}),
+            (1, 14336, 4096, 128, jnp.bfloat16, dict(block_n=256, num_warps=8)),
+            (1, 14336, 4096, 128, jnp.float16, dict(block_n=64, splits=3)),
+            (3, 4096, 4096, 32, jnp.float32, {})]:
+        text = lower_for_h200(functools.partial(int4_gemv, **tiles), sds((m, k), dtype),
+                              sds((k // 8, n), jnp.int32), sds((k // group, n), dtype),
+                              sds((k // group, n), jnp.uint8))
+        assert "int4_gemv" in text and "triton" in text
+
+
+# -- the engine's routing: one-token steps through the GEMV ---------------------------------
+def int4_weight(k: int, out: tuple, group: int = 128) -> Int4Weight:
+    args, _ = random_inputs(k, 1, k, math.prod(out), group, jnp.bfloat16)
+    _, qweight, scales, zeros = (a.reshape(a.shape[0], *out) if a.ndim == 2 and i else a
+                                 for i, a in enumerate(args))
+    return Int4Weight(qweight, scales, zeros, None, k)
+
+
+def test_linear_lowers_to_the_gemv_for_one_token(monkeypatch):
+    """The GPU's path traced here: the GEMV up to GEMV_MAX_TOKENS tokens, the tensor-core
+    kernel past it."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    w = int4_weight(512, (2, 96))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+    for tokens in (1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
+        text = lower_for_h200(linear, jax.ShapeDtypeStruct((tokens, 512), jnp.bfloat16), shapes)
+        kernels = set(re.findall(r'name = "(int4_\w+)"', text))  # the Triton calls' names
+        assert kernels == {"int4_gemv" if tokens <= GEMV_MAX_TOKENS else "int4_matmul"}
+
+
+def test_linear_one_token_on_the_gpu_path_matches_the_reference(monkeypatch):
+    """linear's one-token GPU path (the kernel in interpret mode) agrees with the reference on
+    w's output axes flattened back."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gemv, "int4_gemv", functools.partial(int4_gemv, interpret=True))
+    w = int4_weight(256, (2, 48), group=64)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(1, 256)), jnp.bfloat16)
+    want = dequantize(w).astype(np.float32)
+    got = np.asarray(linear(x, w), np.float32)
+    exact = np.einsum("tk,kgo->tgo", np.asarray(x, np.float32), np.asarray(want))
+    np.testing.assert_allclose(got, exact, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
+
+
+def test_an_int4_engine_gets_the_one_token_bucket(tiny_qwen3_dir, tmp_path):
+    """A GPTQ checkpoint's engine on one device starts with a one-token bucket (its GEMV's),
+    and a lone prompt's greedy tokens there match the same prompt run beside others."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.loader.gptq_writer import write_rtn_gptq
+
+    out = write_rtn_gptq(tiny_qwen3_dir, str(tmp_path / "gptq"), group_size=32)
+    llm = LLM(out, max_model_len=64, max_num_seqs=4, enforce_eager=True)
+    assert llm.llm_engine.runner.buckets[:2] == [1, 16]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    prompts = [{"prompt_token_ids": [t]} for t in (5, 77, 140)]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = llm.generate(prompts[:1], params, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == together[0].outputs[0].token_ids
