@@ -139,6 +139,8 @@ def main() -> None:
                         help="the engine writes K/V with the Pallas kernel, not the scatter")
     parser.add_argument("--quantization", help="fp8 or an int4 checkpoint's method")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--num-gpu-blocks-override", type=int,
+                        help="KV blocks, not sized from free memory (XLA's VMM allocator)")
     parser.add_argument("--random-int4", action="store_true",
                         help="every projection replaced by random packed int4 (group 128)")
     parser.add_argument("--lora-rank", type=int,
@@ -157,6 +159,7 @@ def main() -> None:
               enforce_eager=not a.workload,  # a workload's windows must not compile buckets
               async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
               quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+              num_gpu_blocks_override=a.num_gpu_blocks_override,
               **(dict(enable_lora=True, max_lora_rank=a.lora_rank, max_loras=a.num_adapters)
                  if a.lora_rank else {}))
     engine = llm.llm_engine
