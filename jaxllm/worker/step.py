@@ -24,13 +24,11 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.core.scheduler import PLACEHOLDER_TOKEN_ID
 from jaxllm.models import compute_logits
 from jaxllm.models.batch import StepBatch
-from jaxllm.models.quant import on_one_device
 from jaxllm.sample import sampler
 from jaxllm.sample import rejection
 from jaxllm.sample.logprobs import LogprobsTensors, chunked_logprobs, empty_logprobs
 from jaxllm.sample.sampler import SamplerOutput, SamplerStages
 from jaxllm.worker.packing import PackLayout, unpack
-from pallas_kernels import stage_copy
 
 
 @jax.tree_util.register_dataclass
@@ -111,15 +109,6 @@ def replicated(tree, mesh: Mesh | None):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
 
 
-def staged(packed_inputs: jax.Array) -> jax.Array:
-    """The packed inputs as the step's kernels read them: on one GPU, copied into the step's
-    temporary buffer first (pallas_kernels/stage_copy.py: the command buffer then re-records
-    one command a step, not every one reading an input); elsewhere as they came."""
-    if jax.default_backend() != "gpu" or not on_one_device():
-        return packed_inputs
-    return stage_copy.stage_copy(packed_inputs)
-
-
 def _gather_logits(logits, split: NamedSharding | None):
     """The LM head is vocab-parallel, so logits arrive split over vocab. Left so, GSPMD turns
     every reduction over vocab in the sampler (argmax, softmax, sort, logprobs) into its own
@@ -133,7 +122,7 @@ def _gather_logits(logits, split: NamedSharding | None):
 @partial(jax.jit, donate_argnames=("state",), static_argnames=("model", "layout", "stages"))
 def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel,
          layout: PackLayout, stages: SamplerStages) -> tuple[StepOutput, StepState]:
-    inputs: StepInputs = replicated(unpack(staged(packed_inputs), layout), model.mesh)
+    inputs: StepInputs = replicated(unpack(packed_inputs, layout), model.mesh)
     token_ids = inputs.batch.token_ids
     token_ids = jnp.where(token_ids == PLACEHOLDER_TOKEN_ID,
                           state.last_sampled[inputs.token_rows], token_ids)
