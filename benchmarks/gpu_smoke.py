@@ -46,6 +46,9 @@ POOLING_MODEL = dict(architectures=["BertModel"], model_type="bert", vocab_size=
                      hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=512, type_vocab_size=2,
                      layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0)
+# No dummy weights exist for a GPTQ checkpoint: this case model is a tiny random Llama (hidden
+# 128, seeded) written as a round-to-nearest GPTQ checkpoint (group 32) in each case's process.
+GPTQ_MODEL = "llama-tiny-gptq"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
@@ -118,6 +121,12 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
                                                  ("bfloat16", 2048, 16, 256),
                                                  ("float16", 777, 32, 2))
               for backend in ("pallas", "xla")]
+    # int4 weights (a GPTQ checkpoint): the one-token GEMV at one sequence, the GEMM past it
+    cases += [Case(GPTQ_MODEL, dtype, length, block, seqs, backend, quantization="gptq")
+              for dtype, length, block, seqs in (("bfloat16", 2048, 16, 1),
+                                                 ("bfloat16", 2048, 16, 8),
+                                                 ("float16", 777, 32, 2))
+              for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", eagle=True) for seqs in (1, 8)]
@@ -161,6 +170,8 @@ def cpu_matrix() -> list[Case]:
                  backend="xla", eagle=True, **small),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
                  backend="xla", draft=True, **small),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=1,
+                 backend="xla", quantization="gptq", **{**small, "model": GPTQ_MODEL}),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=8, backend="xla", pooling=True, enforce_eager=True),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
@@ -173,7 +184,8 @@ def cpu_matrix() -> list[Case]:
 def prompts_for(case: Case) -> list[list[int]]:
     """Three prompts, the last near max_model_len, ids clear of the special ones."""
     lengths = (5, 60, min(400, case.max_model_len - 16))
-    return [[3 + (7 * i + 11 * n) % 4000 for i in range(n)] for n in lengths]
+    span = 360 if case.model == GPTQ_MODEL else 4000  # within the tiny tokenizer's 376 ids
+    return [[3 + (7 * i + 11 * n) % span for i in range(n)] for n in lengths]
 
 
 # -- one case, in its own process ------------------------------------------------------------
@@ -184,7 +196,9 @@ def run_case(case: Case) -> dict:
         return _run_pooling_case(case)
     start = time.perf_counter()
     lora_kwargs, adapter = _lora(case)
-    llm = LLM(model=case.model, load_format="dummy", dtype=case.dtype,
+    model, load_format = ((_tiny_gptq_dir(), "auto") if case.model == GPTQ_MODEL
+                          else (case.model, "dummy"))
+    llm = LLM(model=model, load_format=load_format, dtype=case.dtype,
               max_model_len=case.max_model_len, block_size=case.block_size,
               max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
               attention_backend=case.backend, tensor_parallel_size=case.tp,
@@ -205,6 +219,19 @@ def run_case(case: Case) -> dict:
     return {"start_s": round(started, 1), "generate_s": round(time.perf_counter() - start
                                                               - started, 1),
             "tokens": tokens, "top_logprobs": tops}
+
+
+def _tiny_gptq_dir() -> str:
+    import tempfile
+
+    from jaxllm.loader.gptq_writer import write_rtn_gptq
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from conftest import TINY_CONFIGS, build_tiny_tokenizer, save_random_checkpoint
+    config = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256,
+                  max_position_embeddings=8192)  # prompts_for's lengths
+    model = save_random_checkpoint(config, tempfile.mkdtemp(prefix="gpu_smoke_llama"),
+                                   build_tiny_tokenizer())
+    return write_rtn_gptq(model, tempfile.mkdtemp(prefix="gpu_smoke_gptq"), group_size=32)
 
 
 def _run_pooling_case(case: Case) -> dict:
