@@ -103,12 +103,15 @@ def projection(kind: str, interpret: bool, tiles: dict):
 
 
 def chain(call):
-    """One call per weight copy, each waiting for the last one's output."""
+    """One call per weight copy, each waiting for the last one's output. Every output is
+    returned: an output the barrier alone holds is dead, and XLA drops its call."""
     def run(x, ws):
+        ys = []
         for w in ws:
             y = call(x, w)
             x, y = jax.lax.optimization_barrier((x, y))
-        return y
+            ys.append(y)
+        return ys
     return run
 
 
