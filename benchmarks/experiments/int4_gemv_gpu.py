@@ -1,0 +1,243 @@
+"""One GPU call, ~2 minutes: the W4A16 int4 GEMV (pallas_kernels/int4_gemv.py) at one token
+against the bf16 dot and the int4 product kernel (quant_matmul.int4_matmul: one row padded to
+a 16-row tensor-core tile), on Llama-3.1-8B's four projections, with a sweep of the GEMV's
+tilings; every output checked against quant_matmul.int4_matmul_reference before it is timed.
+
+    python benchmarks/experiments/int4_gemv_gpu.py --out DIR [--budget-s 120]
+    python benchmarks/experiments/int4_gemv_gpu.py --out DIR --cpu   # tiny shapes, interpreted
+
+Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down 14336 ->
+4096; group 128, random packed weights, scales and asymmetric zero points; x bf16 [1, K].
+Variants: bf16 x @ w; int4_matmul at its defaults; int4_gemv at its defaults; the sweep:
+block_n 32 / 64 / 128 / 256 x num_warps 2 / 4 / 8 x splits (the default, twice it, half it;
+counts that come to the same splits timed once). err: max |out - ref| / max |ref| against the
+reference on the same inputs (bf16: against its own fp32 product); a variant over 1e-2 is a row
+with its error, not a time.
+
+Timing as benchmarks/quant_linear_gpu.py (its chain, trace_runs and run_times): a jitted program
+calls the projection once on each of several weight copies (over 256 MiB together, so each call
+reads HBM, not L2), each call waiting for the last; GPU kernel durations from a profiler trace,
+summed per call (the split's sum of partials included), the median over runs. % floor: the
+weight bytes (packed weights, scales, zeros; bf16: the matrix) over the measured copy bandwidth,
+over the time. Programs compile in threads, a batch at a time (the main variants, then the sweep
+one projection at a time); a batch that would start past --budget-s is left out as `skipped`
+rows. DIR gets int4_gemv.json; the tables (per projection and the layer's sum) print last.
+--cpu: interpret mode, no GPU kernels in the trace, so wall time per call (a test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [BENCHMARKS, os.path.dirname(BENCHMARKS)]
+# before jax starts (it sets XLA_FLAGS): every kernel launched on its own, so the trace has each
+import quant_linear_gpu as qlg  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import int4_gemv as gemv  # noqa: E402
+from pallas_kernels import quant_matmul  # noqa: E402
+from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
+
+SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                  "down": (14336, 4096)},
+          "cpu": {"qkv": (256, 384), "down": (512, 200)}}
+SWEEP = {"gpu": dict(block_n=(32, 64, 128, 256), num_warps=(2, 4, 8), splits=(1, 2, 0.5)),
+         "cpu": dict(block_n=(32, 64), num_warps=(4,), splits=(1, 2))}
+WEIGHT_SPAN = {"gpu": 256 << 20, "cpu": 0}  # bytes of weight copies a program cycles through
+GROUP = 128
+MAX_ERR = 1e-2  # bf16 output rounding is 2^-8; a broken kernel errs by far more
+
+
+def weight_bytes(kind: str, k: int, n: int) -> int:
+    if kind == "bf16":
+        return 2 * k * n
+    return k * n // 2 + 3 * (k // GROUP) * n  # packed nibbles; a bf16 scale and a uint8 zero
+
+
+def make_weights(kind: str, k: int, n: int, copies: int, key) -> list:
+    """`copies` random weights: bf16 [K, N], or (qweight, scales, zeros) in quant_matmul's
+    layout with scales over a decade and zero points over 0..15."""
+    out = []
+    for i in range(copies):
+        kq, ks, kz = jax.random.split(jax.random.fold_in(key, i), 3)
+        if kind == "bf16":
+            out.append((0.02 * jax.random.normal(kq, (k, n))).astype(jnp.bfloat16))
+            continue
+        out.append((jax.random.bits(kq, (k // 8, n), jnp.uint32).view(jnp.int32),
+                    jax.random.uniform(ks, (k // GROUP, n), jnp.float32, 1e-3, 1e-2)
+                    .astype(jnp.bfloat16),
+                    jax.random.randint(kz, (k // GROUP, n), 0, 16).astype(jnp.uint8)))
+    return out
+
+
+def projection(p: dict, interpret: bool):
+    """(x [1, K], one weight) -> [1, N] for a variant."""
+    if p["kind"] == "bf16":
+        return lambda x, w: x @ w
+    if p["kind"] == "int4_matmul":
+        return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret)
+    return lambda x, w: gemv.int4_gemv(x, *w, interpret=interpret, **p["tiles"])
+
+
+def gemv_tiles(k: int, n: int, block_n: int, num_warps: int, factor: float) -> dict:
+    """The sweep's tiles, splits as the kernel will run them (the default times factor)."""
+    splits = max(1, round(gemv.default_splits(n, k, block_n) * factor))
+    return dict(block_n=block_n, num_warps=num_warps,
+                splits=gemv._whole_splits(k // quant_matmul.CHUNK_ROWS, splits))
+
+
+def batches(where: str) -> list[list[dict]]:
+    """The main variants of every projection, then each projection's sweep (the defaults'
+    tiles left out: timed in the first batch)."""
+    main = [dict(kind=kind, proj=proj, tiles={}) for proj in SHAPES[where]
+            for kind in ("bf16", "int4_matmul", "int4_gemv")]
+    out = [main]
+    sweep = SWEEP[where]
+    for proj, (k, n) in SHAPES[where].items():
+        default = gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, 4, 1)
+        tiles = {tuple(gemv_tiles(k, n, bn, nw, f).items()) for bn in sweep["block_n"]
+                 for nw in sweep["num_warps"] for f in sweep["splits"]}
+        out.append([dict(kind="int4_gemv", proj=proj, tiles=dict(t), sweep=True)
+                    for t in sorted(tiles) if dict(t) != default])
+    return out
+
+
+def check(p: dict, x, w) -> float:
+    """The variant's error against the reference on the same inputs."""
+    got = jax.jit(projection(p, p["interpret"]))(x, w).astype(jnp.float32)
+    if p["kind"] == "bf16":
+        want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    else:
+        want = quant_matmul.int4_matmul_reference(x, *w).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+def compile_all(programs: list[dict], args_of) -> None:
+    """Checks, lowers and compiles every program in threads (XLA's compiler releases the GIL);
+    sets each one's "err" and "compiled", or "error"."""
+    def build(p):
+        x, ws = args_of(p)
+        err = check(p, x, ws[0])
+        if not err <= MAX_ERR:
+            raise ValueError(f"error {err:.2e} over {MAX_ERR}")
+        return err, jax.jit(qlg.chain(projection(p, p["interpret"]))).lower(x, ws).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        futures = [pool.submit(build, p) for p in programs]
+        for p, future in zip(programs, futures):
+            try:
+                p["err"], p["compiled"] = future.result()
+            except Exception as e:  # a failing variant is a row, not the end of the run
+                p["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def row(p: dict, times: dict, index: int, copy_bps: float, shapes: dict) -> dict:
+    k, n = shapes[p["proj"]]
+    base = {"kind": p["kind"], "proj": p["proj"], "k": k, "n": n, **p["tiles"],
+            "sweep": p.get("sweep", False)}
+    if p["kind"] == "int4_gemv" and not p["tiles"]:
+        base.update(defaults=True, **gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, 4, 1))
+    if "error" in p:
+        return {**base, "error": p["error"]}
+    runs = [times[index, r] for r in range(qlg.RUNS) if (index, r) in times]
+    on_gpu = any(t["kernels"] for t in runs)
+    if not runs or (on_gpu and min(t["kernels"] for t in runs) < p["calls"]):
+        return {**base, "error": f"trace holds {[t['kernels'] for t in runs]} GPU kernels a run "
+                                 f"for {p['calls']} calls: timing incomplete"}
+    us = statistics.median((t["gpu_us"] if on_gpu else t["wall_us"]) / p["calls"] for t in runs)
+    floor = weight_bytes(p["kind"], k, n) / copy_bps * 1e6
+    return {**base, "err": p["err"], "us": us, "floor_us": floor, "pct_floor": 100 * floor / us,
+            "timer": "gpu kernels" if on_gpu else "wall"}
+
+
+def tables(rows: list[dict], shapes: dict) -> str:
+    """us (% of the floor) per projection and the layer's sum: bf16, int4_matmul, the GEMV at
+    its defaults and its best tiling (named below)."""
+    timed = [r for r in rows if "us" in r]
+    picks = {"bf16": lambda r: r["kind"] == "bf16",
+             "int4_matmul": lambda r: r["kind"] == "int4_matmul",
+             "gemv defaults": lambda r: r.get("defaults", False),
+             "gemv best": lambda r: r["kind"] == "int4_gemv"}
+    lines = ["| proj | " + " | ".join(f"{name} us (% floor)" for name in picks) + " |",
+             "|" + " --- |" * (1 + len(picks))]
+    best, layer = {}, {name: [] for name in picks}
+    for proj in shapes:
+        cells = []
+        for name, pick in picks.items():
+            found = [r for r in timed if r["proj"] == proj and pick(r)]
+            r = min(found, key=lambda r: r["us"], default=None)
+            layer[name].append(r)
+            cells.append("-" if r is None else f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
+            if name == "gemv best" and r is not None:
+                best[proj] = {key: r[key] for key in ("block_n", "num_warps", "splits")}
+        lines.append(f"| {proj} | " + " | ".join(cells) + " |")
+    cells = []
+    for name, found in layer.items():
+        if None in found:
+            cells.append("-")
+            continue
+        us, floor = sum(r["us"] for r in found), sum(r["floor_us"] for r in found)
+        cells.append(f"{us:.1f} ({100 * floor / us:.0f}%)")
+    lines.append("| layer | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nbest GEMV tiles: {json.dumps(best)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=120.0,
+                        help="no batch of programs starts after this many seconds")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    where = "cpu" if args.cpu else "gpu"
+    interpret = jax.default_backend() != "gpu"
+    start = time.perf_counter()
+    ceilings = (measure_ceilings("bfloat16", copy_bytes=1 << 20, matmul_n=128, reps=3)
+                if args.cpu else measure_ceilings("bfloat16"))
+    shapes, weights = SHAPES[where], {}
+    for proj, (k, n) in shapes.items():
+        for kind in ("bf16", "int4"):
+            copies = max(2, math.ceil(WEIGHT_SPAN[where] / weight_bytes(kind, k, n)))
+            weights[proj, kind] = make_weights(kind, k, n, copies, jax.random.key(k * 7 + n))
+    xs = {k: jax.random.normal(jax.random.key(k), (1, k), jnp.bfloat16) for k, _ in shapes.values()}
+    args_of = lambda p: (xs[shapes[p["proj"]][0]],  # noqa: E731
+                         weights[p["proj"], "bf16" if p["kind"] == "bf16" else "int4"])
+    rows = []
+    for batch in batches(where):
+        for p in batch:
+            p.update(interpret=interpret, calls=len(args_of(p)[1]))
+        if time.perf_counter() - start > args.budget_s:
+            rows += [dict(kind=p["kind"], proj=p["proj"], **p["tiles"], skipped=True)
+                     for p in batch]
+            continue
+        compile_all(batch, args_of)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            qlg.trace_runs(batch, args_of, trace_dir)
+            times = qlg.run_times(trace_dir)
+        for i, p in enumerate(batch):
+            rows.append(row(p, times, i, ceilings.hbm_bytes_per_s, shapes))
+            print(json.dumps(rows[-1]), flush=True)
+    summary = {"device": ceilings.device, "copy_GBps": ceilings.hbm_bytes_per_s / 1e9,
+               "group": GROUP, "tokens": 1, "elapsed_s": time.perf_counter() - start,
+               "skipped": sum(1 for r in rows if r.get("skipped")),
+               "errors": sum(1 for r in rows if "error" in r)}
+    with open(os.path.join(args.out, "int4_gemv.json"), "w") as f:
+        json.dump({**summary, "rows": rows}, f, indent=1)
+    print(f"\n{json.dumps(summary)}\n{tables(rows, shapes)}")
+
+
+if __name__ == "__main__":
+    main()
