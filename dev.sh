@@ -37,7 +37,8 @@ case "${1:-}" in
     shift
     ensure_venv test
     export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-    exec .venv/bin/python -m pytest -q "$@"
+    # two workers, a test file each at a time (its module fixtures built once): CI's two cores
+    exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
     ;;
   *)
     ensure_venv ""
