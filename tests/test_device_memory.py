@@ -129,3 +129,35 @@ def test_a_float8_page_array_is_capped_below_what_the_kernels_address():
     assert kv_cache.cap_num_blocks(10**6, 1, 16, 8, 128, bf16) == 10**6
     blocks = kv_cache.cap_num_blocks(10**6, 1, 32, 2, 64, fp8)
     assert blocks * 32 * 2 * 64 <= 2**31 < (blocks + 1) * 32 * 2 * 64
+
+
+@pytest.mark.parametrize("flags,refused", [
+    ("", False), ("--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE", False),
+    ("--xla_force_host_platform_device_count=8 --xla_gpu_command_buffer_update_mode=SKIP_TEMP",
+     True),
+    ("--xla_gpu_command_buffer_update_mode=SKIP_PROFILED", True),
+    ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP "
+     "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE", False),  # the last one counts
+])
+def test_xla_s_vmm_allocator_needs_the_cache_size_given(flags, refused, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    if not refused:
+        device_memory.check_free_memory_measurable()
+        return
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        device_memory.check_free_memory_measurable()
+
+
+def test_an_engine_on_the_vmm_allocator_is_refused_unless_given_its_cache_size(
+        tiny_llama_dir, monkeypatch):
+    """On a GPU (mocked: a device memory limit) the engine refuses to measure under SKIP_TEMP,
+    and starts when told its blocks."""
+    from jaxllm import LLM
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    monkeypatch.setattr(kv_cache, "device_memory_limit", lambda: 64 * GIB)
+    kw = dict(max_model_len=64, max_num_seqs=2, enforce_eager=True)
+    with pytest.raises(ValueError, match="VMM allocator"):
+        LLM(tiny_llama_dir, **kw)
+    llm = LLM(tiny_llama_dir, num_gpu_blocks_override=32, **kw)
+    assert llm.llm_engine.num_blocks == 32

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_FRACTION = 0.75
+UPDATE_MODE_FLAG = "--xla_gpu_command_buffer_update_mode="
 
 
 def size_allocator_pool(gpu_memory_utilization: float) -> None:
@@ -53,3 +54,17 @@ def _check_started_pool(gpu_memory_utilization: float) -> None:
         "engine before any other jax computation, or set %s=%g before jax starts.",
         started, FRACTION_ENV, JAX_DEFAULT_FRACTION, gpu_memory_utilization, effect,
         FRACTION_ENV, gpu_memory_utilization)
+
+
+def check_free_memory_measurable() -> None:
+    """Raises when XLA_FLAGS picks a CUDA-graph update mode other than ALWAYS_UPDATE: XLA then
+    swaps jax's pool for its VMM allocator, whose figures the KV cache cannot be sized from (on
+    an H200 it read half a GiB free), so the cache's size must be given."""
+    modes = [flag[len(UPDATE_MODE_FLAG):] for flag in os.environ.get("XLA_FLAGS", "").split()
+             if flag.startswith(UPDATE_MODE_FLAG)]
+    if modes and modes[-1] not in ("", "ALWAYS_UPDATE"):
+        raise ValueError(
+            f"XLA_FLAGS sets {UPDATE_MODE_FLAG}{modes[-1]}, under which XLA allocates through its "
+            "VMM allocator and the engine cannot measure free device memory for the KV cache. "
+            "Set `kv_cache_memory_bytes` (--kv-cache-memory-bytes) or `num_gpu_blocks_override` "
+            "(--num-gpu-blocks-override).")
