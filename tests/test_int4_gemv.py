@@ -120,9 +120,8 @@ def test_kernel_lowers_for_cuda():
 
 # -- the engine's routing: one-token steps through the GEMV ---------------------------------
 def int4_weight(k: int, out: tuple, group: int = 128) -> Int4Weight:
-    args, _ = random_inputs(k, 1, k, math.prod(out), group, jnp.bfloat16)
-    _, qweight, scales, zeros = (a.reshape(a.shape[0], *out) if a.ndim == 2 and i else a
-                                 for i, a in enumerate(args))
+    (_, *packed), _ = random_inputs(k, 1, k, math.prod(out), group, jnp.bfloat16)
+    qweight, scales, zeros = (a.reshape(a.shape[0], *out) for a in packed)
     return Int4Weight(qweight, scales, zeros, None, k)
 
 
