@@ -51,9 +51,12 @@ from pallas_kernels import quant_matmul
 from pallas_kernels.quant_matmul import CHUNK_ROWS
 
 _SLICE = 16  # rows per nibble of a chunk: the words tile's rows
-DEFAULT_BLOCK_N = 128  # a [16, 128] words tile: 64 bytes a thread at 4 warps
-_TARGET_PROGRAMS = 528  # about four per SM on an H200 (132 SMs)
-_MIN_CHUNKS_PER_SPLIT = 4  # shorter loops spend their time in set-up
+# Tiles from the H200 sweep (experiments/int4_gemv_gpu.py): wide tiles and short K ranges
+# (many programs) were fastest on each of the 8B's four projections.
+DEFAULT_BLOCK_N = 256  # a [16, 256] words tile: 64 bytes a thread at 8 warps
+DEFAULT_NUM_WARPS = 8
+_TARGET_PROGRAMS = 896  # about seven per SM on an H200 (132 SMs)
+_MIN_CHUNKS_PER_SPLIT = 2
 _ONE, _MANTISSA_TOP = quant_matmul._ONE_PLUS_NIBBLE[jnp.dtype(jnp.float32)]  # 1.0's bits, 19
 _NIBBLE_MASK = 0xF << _MANTISSA_TOP
 
@@ -141,7 +144,7 @@ def default_splits(n: int, k: int, block_n: int) -> int:
 @functools.partial(jax.jit, static_argnames=("block_n", "splits", "num_warps", "num_stages",
                                              "interpret"))
 def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Array, *,
-              block_n: int | None = None, splits: int | None = None, num_warps: int = 4,
+              block_n: int | None = None, splits: int | None = None, num_warps: int = DEFAULT_NUM_WARPS,
               num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `int4_gemv_reference`'s contract. block_n: columns a program
     (a power of two, default DEFAULT_BLOCK_N); splits: K ranges (default default_splits, a

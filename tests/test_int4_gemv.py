@@ -82,12 +82,12 @@ def test_a_split_count_leaving_ranges_empty_is_lowered():
 
 
 def test_default_splits():
-    """The 8B's projections at the default block_n: gate/up's 224 N tiles need 2 splits, o's
-    and qkv's 8 (4 chunks each), down's 16 (7 chunks each); K short of two minimum splits is
-    never split."""
+    """The 8B's projections at the default block_n (the H200 sweep's best tiling of each):
+    gate/up's 112 N tiles need 8 splits (4 chunks each), o's and qkv's 16 (2 chunks), down's
+    56 (2 chunks); K short of two minimum splits is never split."""
     shapes = ((28672, 4096), (4096, 4096), (6144, 4096), (4096, 14336))
-    assert [gemv.default_splits(n, k, gemv.DEFAULT_BLOCK_N) for n, k in shapes] == [2, 8, 8, 16]
-    assert gemv.default_splits(64, 896, 64) == 1
+    assert [gemv.default_splits(n, k, gemv.DEFAULT_BLOCK_N) for n, k in shapes] == [8, 16, 16, 56]
+    assert gemv.default_splits(64, 384, 64) == 1
 
 
 @pytest.mark.parametrize("shapes,tiles", [

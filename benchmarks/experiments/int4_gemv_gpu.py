@@ -105,7 +105,7 @@ def batches(where: str) -> list[list[dict]]:
     out = [main]
     sweep = SWEEP[where]
     for proj, (k, n) in SHAPES[where].items():
-        default = gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, 4, 1)
+        default = gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, gemv.DEFAULT_NUM_WARPS, 1)
         tiles = {tuple(gemv_tiles(k, n, bn, nw, f).items()) for bn in sweep["block_n"]
                  for nw in sweep["num_warps"] for f in sweep["splits"]}
         out.append([dict(kind="int4_gemv", proj=proj, tiles=dict(t), sweep=True)
@@ -148,7 +148,7 @@ def row(p: dict, times: dict, index: int, copy_bps: float, shapes: dict) -> dict
     base = {"kind": p["kind"], "proj": p["proj"], "k": k, "n": n, **p["tiles"],
             "sweep": p.get("sweep", False)}
     if p["kind"] == "int4_gemv" and not p["tiles"]:
-        base.update(defaults=True, **gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, 4, 1))
+        base.update(defaults=True, **gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, gemv.DEFAULT_NUM_WARPS, 1))
     if "error" in p:
         return {**base, "error": p["error"]}
     runs = [times[index, r] for r in range(qlg.RUNS) if (index, r) in times]
