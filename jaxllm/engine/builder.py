@@ -25,7 +25,7 @@ from jaxllm.models.attention import attention_backend
 from jaxllm.sharding.mesh import make_mesh
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.spec_decode.proposer import Proposer
-from jaxllm.worker import device_memory, kv_cache
+from jaxllm.worker import kv_cache
 from jaxllm.worker.drafter import Drafter, EagleDraft, ModelDraft
 from jaxllm.worker.lora_slots import make_lora_slots
 from jaxllm.worker.model_runner import ModelRunner
@@ -246,7 +246,6 @@ def _measure_num_blocks(config: EngineConfig, sharded: ShardedModel, dp_size: in
         return max(cache.kv_cache_memory_bytes // block_bytes, 0)
     if kv_cache.device_memory_limit() is None:
         return max(kv_cache.CPU_KV_CACHE_BYTES // block_bytes, 0)
-    device_memory.check_free_memory_measurable()
     probe = _make_runner(config, sharded, dp_size, 2)
     available = kv_cache.device_memory_available(
         cache.gpu_memory_utilization, probe.activation_bytes(),

@@ -10,6 +10,7 @@ one device together.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -20,7 +21,6 @@ logger = logging.getLogger(__name__)
 
 FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_FRACTION = 0.75
-UPDATE_MODE_FLAG = "--xla_gpu_command_buffer_update_mode="
 
 
 def size_allocator_pool(gpu_memory_utilization: float) -> None:
@@ -56,15 +56,34 @@ def _check_started_pool(gpu_memory_utilization: float) -> None:
         FRACTION_ENV, gpu_memory_utilization)
 
 
-def check_free_memory_measurable() -> None:
-    """Raises when XLA_FLAGS picks a CUDA-graph update mode other than ALWAYS_UPDATE: XLA then
-    swaps jax's pool for its VMM allocator, whose figures the KV cache cannot be sized from (on
-    an H200 it read half a GiB free), so the cache's size must be given."""
-    modes = [flag[len(UPDATE_MODE_FLAG):] for flag in os.environ.get("XLA_FLAGS", "").split()
-             if flag.startswith(UPDATE_MODE_FLAG)]
-    if modes and modes[-1] not in ("", "ALWAYS_UPDATE"):
-        raise ValueError(
-            f"XLA_FLAGS sets {UPDATE_MODE_FLAG}{modes[-1]}, under which XLA allocates through its "
-            "VMM allocator and the engine cannot measure free device memory for the KV cache. "
-            "Set `kv_cache_memory_bytes` (--kv-cache-memory-bytes) or `num_gpu_blocks_override` "
-            "(--num-gpu-blocks-override).")
+def driver_memory_info(device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device from the driver: cuMemGetInfo in the device's
+    primary context, the one jax's GPU client runs in."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(
+            f"cannot read device memory from the CUDA driver ({e}): set `kv_cache_memory_bytes` "
+            "(--kv-cache-memory-bytes) or `num_gpu_blocks_override` "
+            "(--num-gpu-blocks-override)") from e
+    handle, context = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    _cuda_check(cuda.cuInit(0), "cuInit")
+    _cuda_check(cuda.cuDeviceGet(ctypes.byref(handle), device.local_hardware_id), "cuDeviceGet")
+    _cuda_check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle),
+                "cuDevicePrimaryCtxRetain")
+    try:
+        _cuda_check(cuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            _cuda_check(cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)),
+                        "cuMemGetInfo")
+        finally:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        cuda.cuDevicePrimaryCtxRelease_v2(handle)
+    return free.value, total.value
+
+
+def _cuda_check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed with CUDA driver error {status}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxllm.worker import device_memory
 from jaxllm.worker.device_memory import pool_fraction
 from pallas_kernels.ragged_paged_attention import MAX_1BYTE_CACHE_BYTES
 
@@ -54,9 +55,21 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
 
 
 def device_memory_limit() -> int | None:
-    """The first device's allocator limit in bytes, or None where memory is not measurable (CPU)."""
-    stats = jax.devices()[0].memory_stats()
-    return stats.get("bytes_limit") if stats else None
+    """The first device's allocator limit in bytes, or None on a CPU (no device memory)."""
+    device = jax.devices()[0]
+    return None if device.platform == "cpu" else allocator_stats(device)[0]
+
+
+def allocator_stats(device) -> tuple[int, int]:
+    """(limit, in use) bytes of jax's allocator on a GPU. jax's pool reports both. XLA's VMM
+    allocator (taken when XLA_FLAGS picks a CUDA-graph update mode other than ALWAYS_UPDATE)
+    reports neither, so the driver's figures stand in: it maps up to the pool's share of the
+    device, and all the device has in use counts (other processes' memory too)."""
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"], stats["bytes_in_use"]
+    free, total = device_memory.driver_memory_info(device)
+    return int(total * pool_fraction()), total - free
 
 
 @dataclass(frozen=True)
@@ -84,9 +97,9 @@ def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes
     """Bytes the KV cache may take on `device` (default: the first; a DP replica passes its own,
     as the replicas before it have filled theirs), logged with how they were found: the allowed
     share of its memory, less what is in use (weights) and the step's activation peak."""
-    stats = (device or jax.devices()[0]).memory_stats()
-    budget = kv_cache_budget(stats["bytes_limit"], stats["bytes_in_use"], gpu_memory_utilization,
-                             activation_peak_bytes, pool_fraction())
+    limit, in_use = allocator_stats(device or jax.devices()[0])
+    budget = kv_cache_budget(limit, in_use, gpu_memory_utilization, activation_peak_bytes,
+                             pool_fraction())
     logger.info(budget.describe())
     return budget.kv_cache
 
