@@ -163,8 +163,9 @@ class RunnerConfig:
     # work between steps overlaps the device's. Exact: tests/test_engine.py runs both.
     async_scheduling: bool = True
     # No lax.cond in a step (on a GPU each one stalls the host until the device reaches it):
-    # two programs per bucket, "plain" (no penalties, no top-k/top-p, no logprobs) and "all",
-    # and prompt logprobs as a program of their own. None: on a GPU only (a CPU runs a cond for
+    # three programs per bucket, "greedy" (every row greedy: the argmax alone), "plain" (no
+    # penalties, no top-k/top-p, no logprobs) and "all", and prompt logprobs as a program of
+    # their own. None: on a GPU only (a CPU runs a cond for
     # free and its warm-up would double).
     lean_steps: bool | None = None
 

@@ -165,6 +165,7 @@ def test_no_compilation_after_warmup(async_scheduling, lean_steps, tiny_llama_di
         rng = random.Random(1)
         prompts = random_prompts(9, 8, 300, lengths=(1, 60))
         llm.generate(prompts, [plain_params(rng) for _ in prompts], use_tqdm=False)
+        llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         for round_ in range(3):
             prompts = random_prompts(round_ + 10, rng.randint(1, 12), 300, lengths=(1, 60))
             params = [SamplingParams(
@@ -179,7 +180,8 @@ def test_no_compilation_after_warmup(async_scheduling, lean_steps, tiny_llama_di
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
-    assert {stages for stages, _ in programs} == ({"plain", "all"} if lean_steps else {"cond"})
+    assert {stages for stages, _ in programs} == ({"greedy", "plain", "all"} if lean_steps
+                                                  else {"cond"})
     assert_all_blocks_free(llm)
 
 
@@ -190,7 +192,8 @@ def test_lean_steps_generate_what_cond_steps_generate(tiny_llama_dir):
     sample in those steps: every step a penalty request is in must run ALL (the first resets
     its row, each records a chunk of its prompt), though it samples in the last only. The
     requests outnumber the rows, some are preempted, and resumed requests and repeated
-    prompts hit the prefix cache."""
+    prompts hit the prefix cache. All-greedy batches (min_tokens masking the stop ids) run
+    GREEDY."""
     rng = random.Random(3)
     prompts = random_prompts(21, 6, 300, lengths=(2, 40))
     params = [plain_params(rng) for _ in prompts]
@@ -215,13 +218,17 @@ def test_lean_steps_generate_what_cond_steps_generate(tiny_llama_dir):
         after = jax.tree.map(np.array, runner.state.penalty_state)
         runs += [llm.generate(prompts + long_prompts * 2, params + penalised * 2,
                               use_tqdm=False),
-                 llm.generate(prompts[:2], filtered, use_tqdm=False)]
+                 llm.generate(prompts[:2], filtered, use_tqdm=False),
+                 llm.generate(prompts[2:5] + long_prompts,
+                              SamplingParams(temperature=0, min_tokens=3, max_tokens=6),
+                              use_tqdm=False)]
         got[lean] = [[(c.token_ids, c.logprobs) for c in o.outputs] + [o.prompt_logprobs]
                      for run in runs for o in run]
         if lean:  # PLAIN (the saving) wherever no request uses penalties
             assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
             assert {stages for stages, penalties in programs if penalties} == {"all"}
-            assert "plain" in {stages for stages, penalties in programs if not penalties}
+            assert {"plain", "greedy"} <= {stages for stages, penalties in programs
+                                           if not penalties}
         else:
             assert {stages for stages, _ in programs} == {"cond"}
         assert_all_blocks_free(llm)

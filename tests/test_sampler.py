@@ -249,8 +249,10 @@ def test_stage_modes_draw_the_same_tokens():
     rng = np.random.default_rng(9)
     state, _, _ = random_penalty_state(rng)
     modes = {m: jax.jit(partial(sampler.sample, stages=m)) for m in ("cond", "all", "plain")}
+    greedy_mode = jax.jit(partial(sampler.sample, stages="greedy"))
     plain = [
         [SamplingParams(temperature=0)] * 3,  # all greedy
+        [SamplingParams(temperature=0, min_tokens=4), SamplingParams(temperature=0)],
         [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
          SamplingParams(temperature=1.3, min_p=0.1)],
         [SamplingParams(temperature=1.0, min_tokens=4)],
@@ -269,6 +271,8 @@ def test_stage_modes_draw_the_same_tokens():
     for i, params in enumerate(plain + penalised + filtered):
         params = [SamplingParams(**{**vars(p), "all_stop_token_ids": {5, 9}}) for p in params]
         logits = logits_of(40 + i, 8, scale=1.0)
+        if i == 1:  # a stop id is the argmax: min_tokens must mask it
+            logits[0, 5] = logits.max() + 1
         seq_rows = rng.permutation(MAX_SEQS)[:8].astype(np.int32)
         # each row has generated its argmax token: a penalty must move the greedy choice
         state = record_jit(state, logits.argmax(-1), seq_rows, np.ones(8, bool),
@@ -291,6 +295,11 @@ def test_stage_modes_draw_the_same_tokens():
                 continue
             want = modes["cond"](jnp.asarray(logits), unpenalised, state, jnp.asarray(seq_rows))
             np.testing.assert_array_equal(out["plain"].token_ids, want.token_ids)
+            assert sampler.all_greedy(md) == (i < 2)  # padding rows are greedy
+            if sampler.all_greedy(md):  # the runner's GREEDY: the argmax alone
+                got = greedy_mode(jnp.asarray(logits), md, state, jnp.asarray(seq_rows))
+                np.testing.assert_array_equal(got.token_ids, want.token_ids)
+                assert i != 1 or got.token_ids[0] != 5
             if i >= len(plain):  # a greedy row's penalties move its token, unless "plain"
                 assert out["plain"].token_ids[3] != out["cond"].token_ids[3]
 

@@ -93,7 +93,7 @@ def _tp2_step_collectives(model_dir: str) -> dict:
                             r"reduce-scatter)(-start)?\(")
     packed, layout = pack(runner._padding_inputs(16))
     programs = {}
-    for stages in ("cond", "plain", "all"):
+    for stages in ("cond", "greedy", "plain", "all"):
         text = runner._lower(packed, layout, stages).compile().as_text()
         kinds = [m.group(1) for m in map(collective.search, text.splitlines()) if m]
         programs[stages] = {"collectives": {k: kinds.count(k) for k in sorted(set(kinds))},
@@ -136,6 +136,7 @@ def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_pat
     model_only = {"all-reduce": 5, "all-gather": 1}
     assert results.pop("tp2_step") == {
         "cond": {"collectives": dict(model_only, **{"all-gather": 2}), "cache_copies": 0},
+        "greedy": {"collectives": model_only, "cache_copies": 0},
         "plain": {"collectives": model_only, "cache_copies": 0},
         "all": {"collectives": model_only, "cache_copies": 0}}
     for model, runs in results.items():

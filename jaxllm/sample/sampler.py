@@ -27,8 +27,9 @@ from jaxllm.sample.penalties import (PenaltyState, apply_penalties, init_penalty
 from jaxllm.sample.rejection import count_prior_drafts
 
 # The runner's whole interface, importable from this one module.
-__all__ = ["SamplerOutput", "SamplerStages", "SamplingMetadata", "PenaltyState", "build_sampling_metadata",
-           "init_penalty_state", "record_tokens", "sample", "gather_logprobs"]
+__all__ = ["SamplerOutput", "SamplerStages", "SamplingMetadata", "PenaltyState", "all_greedy",
+           "build_sampling_metadata", "init_penalty_state", "record_tokens", "sample",
+           "gather_logprobs"]
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as vLLM
 
@@ -38,6 +39,7 @@ class SamplerStages(enum.StrEnum):
     COND = "cond"
     ALL = "all"
     PLAIN = "plain"
+    GREEDY = "greedy"
 
 
 @jax.tree_util.register_dataclass
@@ -57,8 +59,9 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
     cond for free); "all" runs every stage and "plain" every stage but penalties, top-k/top-p
     and logprobs, both without a cond, since on a GPU each cond makes the host wait for the
     device (the runner picks one of the two per batch, "plain" only when no request of the
-    step uses penalties). A stage leaves rows that do not use it unchanged, so the three draw
-    the same tokens.
+    step uses penalties); "greedy" is "plain" for a batch whose every row is greedy: the
+    argmax alone, without the random draw's noise over [S, V]. A stage leaves rows that do not
+    use it unchanged, so the four draw the same tokens.
 
     prior_draft_ids [S, K] (speculative decoding, rejection.py): the draft tokens before each
     row's position, which the penalties count as outputs.
@@ -77,6 +80,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
         logits = penalize(logits)
     logits = mask_ids(logits, md.min_tokens_stop_ids)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if stages == "greedy":
+        return SamplerOutput(token_ids=greedy_ids, logprobs=empty_logprobs(logits.shape[0]))
     is_greedy = md.temperature < _SAMPLING_EPS
     if stages == "cond":
         token_ids = jax.lax.cond(
@@ -89,6 +94,12 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: PenaltyState,
         logprobs = (gather_logprobs(raw_logits, token_ids) if stages == "all"
                     else empty_logprobs(logits.shape[0]))
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def all_greedy(md: SamplingMetadata) -> bool:
+    """On the host, before the step: whether every row of the batch (padding included)
+    samples greedily."""
+    return bool((md.temperature < _SAMPLING_EPS).all())
 
 
 def _sample_random(logits: jax.Array, md: SamplingMetadata,

@@ -132,10 +132,11 @@ class ModelRunner:
 
         lean_steps (default: on a GPU): no lax.cond in any step. On a GPU every cond makes the
         host wait for the device to reach it (XLA reads the predicate back), which stalls async
-        scheduling. Each bucket then has two programs, PLAIN (no penalties, no top-k/top-p,
-        no logprobs) for the batches that use none of them and ALL (every sampler stage for
-        every row) for the rest, and prompt logprobs run as a program of their own after the
-        step, only when asked. Without lean steps one program per bucket runs each optional
+        scheduling. Each bucket then has three programs: GREEDY (the argmax alone) for batches
+        whose every row is greedy, PLAIN (no penalties, no top-k/top-p, no logprobs) for the
+        other batches that use none of them, and ALL (every sampler stage for every row) for
+        the rest; prompt logprobs run as a program of their own after the step, only when
+        asked. Without lean steps one program per bucket runs each optional
         stage under a cond (COND), which is free on a CPU.
 
         num_spec_tokens > 0 (speculative decoding, one DP rank): steps verify up to that many
@@ -187,8 +188,8 @@ class ModelRunner:
     @property
     def programs(self) -> tuple[SamplerStages, ...]:
         """The sampler stages each bucket is compiled with."""
-        return ((SamplerStages.PLAIN, SamplerStages.ALL) if self.lean_steps
-                else (SamplerStages.COND,))
+        return ((SamplerStages.GREEDY, SamplerStages.PLAIN, SamplerStages.ALL)
+                if self.lean_steps else (SamplerStages.COND,))
 
     def _lower(self, packed, layout, stages: SamplerStages):
         params = (self.params if self.pipeline is None
@@ -243,14 +244,15 @@ class ModelRunner:
         """ALL when a sampling row uses top-k/top-p or logprobs, or when any scheduled request
         uses penalties, sampling or not: PLAIN neither resets penalty rows nor records tokens,
         and such a request needs both in every step it is in (its first resets its row, which
-        another request may have left stale; each chunk of a long prompt counts)."""
+        another request may have left stale; each chunk of a long prompt counts). Else GREEDY
+        when every row is greedy (the argmax alone), PLAIN otherwise."""
         if not self.lean_steps:
             return SamplerStages.COND
         md = inputs.sampling
         if (md.any_top_k_top_p or md.any_logprobs
                 or any(c.state.uses_penalties for c in chunks)):
             return SamplerStages.ALL
-        return SamplerStages.PLAIN
+        return SamplerStages.GREEDY if sampler.all_greedy(md) else SamplerStages.PLAIN
 
     def release(self, request_ids) -> None:
         """Drops the state of finished or preempted requests (a step with nothing scheduled)."""

@@ -131,7 +131,8 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
                                                     return_hidden=True)
     aux = aux[0] if aux else None
     logits = _gather_logits(logits, model.logits_split)
-    penalty_state, penalties = state.penalty_state, stages != SamplerStages.PLAIN
+    penalty_state = state.penalty_state
+    penalties = stages not in (SamplerStages.PLAIN, SamplerStages.GREEDY)
     if penalties:
         penalty_state = sampler.record_tokens(penalty_state, batch.token_ids, inputs.token_rows,
                                               inputs.token_is_output, inputs.reset_rows)
