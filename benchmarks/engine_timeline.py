@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--num-gpu-blocks-override", type=int,
-                        help="KV blocks, not sized from free memory (XLA's VMM allocator)")
+                        help="KV blocks, not sized from free memory")
     parser.add_argument("--variants", default="plain",
                         help="comma-separated runs in one engine: plain, gc-freeze, cprofile")
     cli = parser.parse_args()

@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--quantization", help="fp8 or an int4 checkpoint's method")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--num-gpu-blocks-override", type=int,
-                        help="KV blocks, not sized from free memory (XLA's VMM allocator)")
+                        help="KV blocks, not sized from free memory")
     parser.add_argument("--random-int4", action="store_true",
                         help="every projection replaced by random packed int4 (group 128)")
     parser.add_argument("--lora-rank", type=int,

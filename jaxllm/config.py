@@ -165,8 +165,7 @@ class RunnerConfig:
     # No lax.cond in a step (on a GPU each one stalls the host until the device reaches it):
     # three programs per bucket, "greedy" (every row greedy: the argmax alone), "plain" (no
     # penalties, no top-k/top-p, no logprobs) and "all", and prompt logprobs as a program of
-    # their own. None: on a GPU only (a CPU runs a cond for
-    # free and its warm-up would double).
+    # their own. None: on a GPU only (a CPU runs a cond for free and its warm-up would triple).
     lean_steps: bool | None = None
 
     def __post_init__(self) -> None:

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.worker import device_memory
-from jaxllm.worker.device_memory import pool_fraction
 from pallas_kernels.ragged_paged_attention import MAX_1BYTE_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ def allocator_stats(device) -> tuple[int, int]:
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"], stats["bytes_in_use"]
     free, total = device_memory.driver_memory_info(device)
-    return int(total * pool_fraction()), total - free
+    return int(total * device_memory.pool_fraction()), total - free
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes
     share of its memory, less what is in use (weights) and the step's activation peak."""
     limit, in_use = allocator_stats(device or jax.devices()[0])
     budget = kv_cache_budget(limit, in_use, gpu_memory_utilization, activation_peak_bytes,
-                             pool_fraction())
+                             device_memory.pool_fraction())
     logger.info(budget.describe())
     return budget.kv_cache
 

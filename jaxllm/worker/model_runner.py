@@ -136,8 +136,8 @@ class ModelRunner:
         whose every row is greedy, PLAIN (no penalties, no top-k/top-p, no logprobs) for the
         other batches that use none of them, and ALL (every sampler stage for every row) for
         the rest; prompt logprobs run as a program of their own after the step, only when
-        asked. Without lean steps one program per bucket runs each optional
-        stage under a cond (COND), which is free on a CPU.
+        asked. Without lean steps one program per bucket runs each optional stage under a
+        cond (COND), which is free on a CPU.
 
         num_spec_tokens > 0 (speculative decoding, one DP rank): steps verify up to that many
         draft tokens for up to max_spec_seqs sequences (worker/draft_rows.py).
