@@ -70,6 +70,18 @@ def test_pool_set_from_the_share_before_the_backend_starts(monkeypatch, caplog):
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 from the environment replaced" in caplog.text
 
 
+@pytest.mark.parametrize("num_devices,given,started,chosen", [
+    (1, None, False, "cuda_async"), (2, None, False, None), (8, None, False, None),
+    (1, "bfc", False, "bfc"), (1, None, True, None)])
+def test_one_device_gets_the_stream_ordered_allocator_unless_told_otherwise(
+        monkeypatch, num_devices, given, started, chosen):
+    monkeypatch.setattr(device_memory.xla_bridge, "backends_are_initialized", lambda: started)
+    environ = {} if given is None else {device_memory.ALLOCATOR_ENV: given}
+    monkeypatch.setattr(device_memory.os, "environ", environ)
+    device_memory.choose_allocator(num_devices)
+    assert environ.get(device_memory.ALLOCATOR_ENV) == chosen
+
+
 @pytest.mark.parametrize("started,backend,warns", [
     ("0.75", "gpu", "the process holds more of each GPU than asked"),
     ("0.2", "gpu", "the KV cache is sized within the smaller pool"),

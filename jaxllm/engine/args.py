@@ -68,11 +68,14 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (the default model and GGUF files are converted once into the
         cache), reads its config and validates every setting: before any weight is loaded. First
-        of all it sizes jax's GPU pool from gpu_memory_utilization, before jax's backend starts."""
+        of all it sizes jax's GPU pool from gpu_memory_utilization and chooses its allocator,
+        before jax's backend starts."""
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         device_memory.size_allocator_pool(self.gpu_memory_utilization)
+        device_memory.choose_allocator(
+            self.tensor_parallel_size * self.data_parallel_size * self.pipeline_parallel_size)
         get_hash_fn(self.prefix_caching_hash_algo)  # an unknown or uninstalled one fails now
         model_config, pooler_config = self._model_config()
         speculative = self._speculative_config(model_config)

@@ -6,6 +6,11 @@ set before that: `size_allocator_pool` runs when the engine's arguments are made
 holds everything the engine allocates (weights, activations, the KV cache, XLA's autotuning
 scratch); only the CUDA context and library handles lie outside it. Two engines at 0.4 each fit
 one device together.
+
+On one device the engine also picks jax's stream-ordered allocator (cudaMallocAsync, the same
+preallocated pool): under XLA's default allocator a step's buffers move between steps, and
+updating the step's CUDA graph for them costs the host more than a small batch's step takes on
+the device. Its sharing with NCCL across devices is unmeasured, so meshes keep the default.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_DEFAULT_FRACTION = 0.75
+ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
 
 
 def size_allocator_pool(gpu_memory_utilization: float) -> None:
@@ -35,6 +41,16 @@ def size_allocator_pool(gpu_memory_utilization: float) -> None:
         logger.info("%s=%s from the environment replaced by gpu_memory_utilization=%s",
                     FRACTION_ENV, given, wanted)
     os.environ[FRACTION_ENV] = wanted
+
+
+def choose_allocator(num_devices: int) -> None:
+    """jax's stream-ordered allocator for a one-device engine, unless the environment names
+    one or jax's backend has started (its allocator is then fixed)."""
+    if num_devices != 1 or ALLOCATOR_ENV in os.environ or xla_bridge.backends_are_initialized():
+        return
+    os.environ[ALLOCATOR_ENV] = "cuda_async"
+    logger.info("%s=cuda_async (one device; set %s=default for XLA's own allocator)",
+                ALLOCATOR_ENV, ALLOCATOR_ENV)
 
 
 def pool_fraction() -> float:
