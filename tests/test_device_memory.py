@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from jaxllm.engine.args import EngineArgs
 from jaxllm.worker import device_memory, kv_cache
 
 GIB = 1 << 30
@@ -80,6 +81,17 @@ def test_one_device_gets_the_stream_ordered_allocator_unless_told_otherwise(
     monkeypatch.setattr(device_memory.os, "environ", environ)
     device_memory.choose_allocator(num_devices)
     assert environ.get(device_memory.ALLOCATOR_ENV) == chosen
+
+
+@pytest.mark.parametrize("parallel,devices", [
+    ({}, 1), ({"tensor_parallel_size": 2}, 2), ({"data_parallel_size": 2}, 2),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4)])
+def test_engine_args_choose_the_allocator_for_their_device_count(
+        monkeypatch, tiny_llama_dir, parallel, devices):
+    asked = []
+    monkeypatch.setattr(device_memory, "choose_allocator", asked.append)
+    EngineArgs(model=tiny_llama_dir, **parallel).create_engine_config()
+    assert asked == [devices]
 
 
 @pytest.mark.parametrize("started,backend,warns", [
