@@ -90,7 +90,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash (needs the xxhash package)
     # auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn pages, one static scale per tensor
-    # (1.0, vLLM's default without --calculate-kv-scales)
+    # (the checkpoint's per layer, else 1.0: vLLM's default without --calculate-kv-scales)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

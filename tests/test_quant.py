@@ -5,6 +5,7 @@ start-up refusals."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -213,6 +214,119 @@ def test_tiny_model_logits_int4_rtn_gptq(sym, desc_act, tiny_qwen3_dir, tmp_path
     assert rel(got, want) < 0.4  # stated tolerance: 4-bit RTN of random weights (~30%)
 
 
+# -- an FP8 KV cache's static scales from the checkpoint -----------------------------------
+KV_SCALES = {0: (3.0, 0.75), 1: (0.4, 5.0)}  # layer -> (k_scale, v_scale)
+
+
+def write_kv_scaled(model_dir: str, out_dir: str) -> str:
+    """model_dir as a compressed-tensors checkpoint: float8 weights with per-channel scales and
+    a kv_cache_scheme, each layer's k_scale / v_scale stored as [1] (layer 0) and [] (layer 1)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from jaxllm.loader.safetensors_io import safetensors_files
+
+    tensors = {}
+    for path in safetensors_files(model_dir):
+        for name, t in load_file(path).items():
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+                tensors[name] = (t / scale).to(torch.float8_e4m3fn)
+                tensors[name.replace(".weight", ".weight_scale")] = scale.float()
+            else:
+                tensors[name] = t
+    for layer, (k, v) in KV_SCALES.items():
+        shape = (1,) if layer == 0 else ()
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.full(shape, k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.full(shape, v)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    float8 = {"type": "float", "num_bits": 8, "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": dict(float8, strategy="channel")}},
+        "kv_cache_scheme": dict(float8, strategy="tensor", dynamic=False)}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
+
+
+def fp8_cache_logits(args, params, prompt, attn=None, write_kv=None):
+    from pallas_kernels.kv_write import write_kv_reference
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+    batch = build_step_batch([SeqChunk(prompt, 0, [1, 2, 3, 4])], 32, 2, 4, 8)
+    batch = jax.tree.map(jnp.asarray, batch)
+    batch.logits_indices = jnp.arange(len(prompt), dtype=jnp.int32)
+    shape = (8, 8, args.num_kv_heads, args.head_dim)
+    caches = [(jnp.zeros(shape, jnp.float8_e4m3fn),) * 2 for _ in range(args.num_layers)]
+    logits, _ = forward(params, caches, batch, args=args,
+                        attn=attn or ragged_paged_attention_reference,
+                        write_kv=write_kv or write_kv_reference)
+    return np.asarray(logits)
+
+
+def test_checkpoint_kv_scales_load_per_layer(tiny_llama_dir, tmp_path):
+    loaded = load_model(write_kv_scaled(tiny_llama_dir, str(tmp_path)), "float32",
+                        quantization="compressed-tensors")
+    assert loaded.args.kv_cache_scales
+    for layer, (k, v) in KV_SCALES.items():
+        got = loaded.params["layers"][layer]
+        assert got["k_scale"].shape == () and float(got["k_scale"]) == pytest.approx(k)
+        assert float(got["v_scale"]) == pytest.approx(v)
+
+
+def test_checkpoint_kv_scales_equal_the_kernels_own_scales(tiny_llama_dir, tmp_path):
+    """The scales applied around the kernels give what the kernels' static k_scale / v_scale
+    give (the pages hold k / k_scale), and differ from ignoring them."""
+    from pallas_kernels.kv_write import write_kv_reference
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+    loaded = load_model(write_kv_scaled(tiny_llama_dir, str(tmp_path)), "float32",
+                        quantization="compressed-tensors")
+    params = fuse_params(loaded.params, loaded.args.num_kv_heads)
+    got = fp8_cache_logits(loaded.args, params, PROMPT)
+    unscaled = dict(params, layers=[{n: w for n, w in layer.items()
+                                     if n not in ("k_scale", "v_scale")}
+                                    for layer in params["layers"]])
+    want = fp8_cache_logits(loaded.args, unscaled, PROMPT,
+                            attn=_with_layer_scales(ragged_paged_attention_reference),
+                            write_kv=_with_layer_scales(write_kv_reference))
+    assert np.isfinite(got).all() and rel(got, want) < 1e-5
+    assert rel(got, fp8_cache_logits(loaded.args, unscaled, PROMPT)) > 1e-3
+
+
+def test_engine_reads_kv_scales_with_an_fp8_cache_only(tiny_llama_dir, tmp_path, caplog):
+    from jaxllm import LLM, SamplingParams
+    model = write_kv_scaled(tiny_llama_dir, str(tmp_path))
+    engine = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                  num_gpu_blocks_override=24, block_size=8, enforce_eager=True,
+                  compilation_cache_dir=None)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = {}
+    for kv_cache_dtype, note in (("fp8", "KV cache scales per layer from the checkpoint"),
+                                 ("auto", "the checkpoint's KV cache scales are unused")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            llm = LLM(model, kv_cache_dtype=kv_cache_dtype, **engine)
+        assert note in caplog.text
+        [out] = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+        outputs[kv_cache_dtype] = out.outputs[0].token_ids
+    assert outputs["fp8"][0] == outputs["auto"][0]  # the prompt's next token survives FP8 pages
+
+
+def _with_layer_scales(kernel):
+    """kernel, given on its i-th call (layer i of a forward) that layer's static scales."""
+    calls = []
+
+    def run(*args, **kwargs):
+        k_scale, v_scale = KV_SCALES[len(calls) % len(KV_SCALES)]
+        calls.append(None)
+        return kernel(*args, k_scale=k_scale, v_scale=v_scale, **kwargs)
+    return run
+
+
 # -- start-up refusals ----------------------------------------------------------------------
 def config_with(tmp_path, quantization_config=None, **extra):
     from conftest import TINY_CONFIGS
@@ -236,6 +350,10 @@ def config_with(tmp_path, quantization_config=None, **extra):
     (None, {"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
     (None, {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "type": "int", "num_bits": 4, "strategy": "group"}}}}, "float8 weights"),
+    (None, {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {
+        "type": "float", "num_bits": 8, "strategy": "attn_head"}}, "one per tensor"),
+    (None, {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {
+        "type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": True}}, "static"),
 ])
 def test_unsupported_quantization_refused_before_loading(requested, qconfig, match, tmp_path):
     model = config_with(tmp_path, qconfig)  # no weights: refused before any load

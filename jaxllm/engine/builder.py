@@ -96,7 +96,8 @@ def _assemble_core(config: EngineConfig, sharded: ShardedModel, dp_size: int, nu
     log(f"Quantization: {config.model_config.quantization or 'none'}; KV cache: {num_blocks} "
         f"blocks of {cache.block_size} tokens, {_kv_cache_dtype(config, sharded)}"
         f" ({num_blocks * block_bytes / kv_cache.GiB:.2f} GiB)"
-        + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else ""))
+        + (f" per DP rank, {dp_size} ranks" if dp_size > 1 else "")
+        + _kv_scales_note(config, sharded))
     runner = _make_runner(config, sharded, dp_size, num_blocks)
     lora, pp = config.lora_config, config.parallel_config.pipeline_parallel_size
     schedulers = [Scheduler(config.scheduler_config, cache, num_blocks, config.speculative_config,
@@ -163,6 +164,15 @@ def _make_proposer(config: EngineConfig) -> Proposer | None:
         return None
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                          spec.prompt_lookup_max, config.model_config.max_model_len)
+
+
+def _kv_scales_note(config: EngineConfig, sharded: ShardedModel) -> str:
+    """What becomes of a checkpoint's static KV scales: only a float8 cache uses them (vLLM)."""
+    if not sharded.args.kv_cache_scales:
+        return ""
+    if config.cache_config.kv_cache_dtype == "auto":
+        return "; the checkpoint's KV cache scales are unused (--kv-cache-dtype fp8 uses them)"
+    return "; KV cache scales per layer from the checkpoint"
 
 
 def _kv_cache_dtype(config: EngineConfig, sharded: ShardedModel):

@@ -140,6 +140,8 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
                 if expert is not None:  # stacked after the loop, once all experts are read
                     experts.setdefault(param, {})[expert] = host.T if transpose else host
                     continue
+                if expected.get(param) == () and host.size == 1:  # a scalar, stored as [1]
+                    host = host.reshape(())
                 shape = tuple(reversed(host.shape)) if transpose else tuple(host.shape)
                 if expected.get(param) != shape:
                     raise ValueError(f"Weight {name} has shape {host.shape}; the config expects "

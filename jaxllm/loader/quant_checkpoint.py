@@ -112,6 +112,11 @@ def _check_compressed_tensors(qconfig: dict) -> None:
                 weights.get("strategy") not in ("tensor", "channel"):
             raise ValueError(f"compressed-tensors scheme {name} ({weights}) is not supported: "
                              "jaxllm reads float8 weights with per-tensor or per-channel scales.")
+    kv = qconfig.get("kv_cache_scheme")
+    if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != ("float", 8, "tensor")
+               or kv.get("dynamic")):
+        raise ValueError(f"compressed-tensors kv_cache_scheme {kv} is not supported: jaxllm "
+                         "reads static float8 KV cache scales, one per tensor.")
 
 
 def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dtype,

@@ -42,6 +42,9 @@ class ModelArgs:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights (Mixtral: always)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that use the dense MLP
+    # The checkpoint holds static per-layer K and V scales for an FP8 KV cache (a
+    # compressed-tensors kv_cache_scheme): params' layers then carry k_scale and v_scale.
+    kv_cache_scales: bool = False
 
     def layer_mlp_kind(self, layer_index: int) -> str:
         return "dense" if layer_index in self.dense_layers else self.mlp_kind
@@ -93,7 +96,8 @@ def _dense_args(cfg: dict, arch: str, **overrides) -> ModelArgs:
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
-        sliding_window=cfg.get("sliding_window"), **_rope_fields(cfg))
+        sliding_window=cfg.get("sliding_window"), **_rope_fields(cfg),
+        kv_cache_scales=bool((cfg.get("quantization_config") or {}).get("kv_cache_scheme")))
     fields.update(overrides)
     return ModelArgs(**fields)
 

@@ -35,6 +35,8 @@ def layer_shapes(args: ModelArgs, layer_index: int = 0) -> dict[str, tuple[int, 
         shapes["bo"] = (h,)
     if args.qk_norm:
         shapes.update(q_norm=(d,), k_norm=(d,))
+    if args.kv_cache_scales:
+        shapes.update(k_scale=(), v_scale=())
     shapes.update(MLPS[args.layer_mlp_kind(layer_index)][1](args))
     return shapes
 
@@ -77,9 +79,17 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
         q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # A checkpoint's static KV scales, applied around the kernels (which then keep 1.0): the
+    # float8 pages hold k / k_scale and v / v_scale, q @ k = (q * k_scale) @ pages' k, and
+    # p @ v = (p @ pages' v) * v_scale.
+    scaled = "k_scale" in layer and k_cache.dtype == jnp.float8_e4m3fn
+    if scaled:
+        q, k, v = q * layer["k_scale"], k / layer["k_scale"], v / layer["v_scale"]
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
     out = attn(q, k_cache, v_cache, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
                batch.num_seqs, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window)
+    if scaled:
+        out = out * layer["v_scale"]
     out = out.reshape(num_tokens, args.q_size)
     projected = _project(out, layer, "wo", "bo")
     if lora is not None:
