@@ -49,6 +49,8 @@ POOLING_MODEL = dict(architectures=["BertModel"], model_type="bert", vocab_size=
 # No dummy weights exist for a GPTQ checkpoint: this case model is a tiny random Llama (hidden
 # 128, seeded) written as a round-to-nearest GPTQ checkpoint (group 32) in each case's process.
 GPTQ_MODEL = "llama-tiny-gptq"
+# The same tiny Llama as a compressed-tensors FP8 checkpoint with static per-layer KV scales.
+FP8_KV_MODEL = "llama-tiny-fp8-kv-scales"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
@@ -127,6 +129,10 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
                                                  ("bfloat16", 2048, 16, 8),
                                                  ("float16", 777, 32, 2))
               for backend in ("pallas", "xla")]
+    # an FP8 checkpoint's KV scales, applied around the attention kernels
+    cases += [Case(FP8_KV_MODEL, "bfloat16", 2048, 16, seqs, backend, kv_cache_dtype="fp8",
+                   quantization="compressed-tensors")
+              for seqs in (1, 8) for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", eagle=True) for seqs in (1, 8)]
@@ -172,6 +178,9 @@ def cpu_matrix() -> list[Case]:
                  backend="xla", draft=True, **small),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=1,
                  backend="xla", quantization="gptq", **{**small, "model": GPTQ_MODEL}),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=1,
+                 backend="xla", kv_cache_dtype="fp8", quantization="compressed-tensors",
+                 **{**small, "model": FP8_KV_MODEL}),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=8, backend="xla", pooling=True, enforce_eager=True),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
@@ -184,7 +193,7 @@ def cpu_matrix() -> list[Case]:
 def prompts_for(case: Case) -> list[list[int]]:
     """Three prompts, the last near max_model_len, ids clear of the special ones."""
     lengths = (5, 60, min(400, case.max_model_len - 16))
-    span = 360 if case.model == GPTQ_MODEL else 4000  # within the tiny tokenizer's 376 ids
+    span = 360 if case.model in (GPTQ_MODEL, FP8_KV_MODEL) else 4000  # the tiny tokenizer's ids
     return [[3 + (7 * i + 11 * n) % span for i in range(n)] for n in lengths]
 
 
@@ -196,8 +205,8 @@ def run_case(case: Case) -> dict:
         return _run_pooling_case(case)
     start = time.perf_counter()
     lora_kwargs, adapter = _lora(case)
-    model, load_format = ((_tiny_gptq_dir(), "auto") if case.model == GPTQ_MODEL
-                          else (case.model, "dummy"))
+    written = {GPTQ_MODEL: _tiny_gptq_dir, FP8_KV_MODEL: _tiny_fp8_kv_dir}.get(case.model)
+    model, load_format = (written(), "auto") if written else (case.model, "dummy")
     llm = LLM(model=model, load_format=load_format, dtype=case.dtype,
               max_model_len=case.max_model_len, block_size=case.block_size,
               max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
@@ -221,17 +230,33 @@ def run_case(case: Case) -> dict:
             "tokens": tokens, "top_logprobs": tops}
 
 
-def _tiny_gptq_dir() -> str:
+def _tiny_llama_dir() -> str:
     import tempfile
 
-    from jaxllm.loader.gptq_writer import write_rtn_gptq
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from conftest import TINY_CONFIGS, build_tiny_tokenizer, save_random_checkpoint
     config = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256,
                   max_position_embeddings=8192)  # prompts_for's lengths
-    model = save_random_checkpoint(config, tempfile.mkdtemp(prefix="gpu_smoke_llama"),
-                                   build_tiny_tokenizer())
-    return write_rtn_gptq(model, tempfile.mkdtemp(prefix="gpu_smoke_gptq"), group_size=32)
+    return save_random_checkpoint(config, tempfile.mkdtemp(prefix="gpu_smoke_llama"),
+                                  build_tiny_tokenizer())
+
+
+def _tiny_gptq_dir() -> str:
+    import tempfile
+
+    from jaxllm.loader.gptq_writer import write_rtn_gptq
+    return write_rtn_gptq(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_gptq"),
+                          group_size=32)
+
+
+def _tiny_fp8_kv_dir() -> str:
+    import tempfile
+
+    model = _tiny_llama_dir()  # puts tests/ on the path
+    from conftest import TINY_CONFIGS, write_fp8_kv_scaled
+    scales = {layer: (0.5 + layer, 2.0 - 0.5 * layer)
+              for layer in range(TINY_CONFIGS["llama"]["num_hidden_layers"])}
+    return write_fp8_kv_scaled(model, tempfile.mkdtemp(prefix="gpu_smoke_fp8_kv"), scales)
 
 
 def _run_pooling_case(case: Case) -> dict:

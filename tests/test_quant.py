@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import write_fp8_kv_scaled
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.loader import load_model
@@ -219,39 +220,7 @@ KV_SCALES = {0: (3.0, 0.75), 1: (0.4, 5.0)}  # layer -> (k_scale, v_scale)
 
 
 def write_kv_scaled(model_dir: str, out_dir: str) -> str:
-    """model_dir as a compressed-tensors checkpoint: float8 weights with per-channel scales and
-    a kv_cache_scheme, each layer's k_scale / v_scale stored as [1] (layer 0) and [] (layer 1)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from jaxllm.loader.safetensors_io import safetensors_files
-
-    tensors = {}
-    for path in safetensors_files(model_dir):
-        for name, t in load_file(path).items():
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
-                tensors[name] = (t / scale).to(torch.float8_e4m3fn)
-                tensors[name.replace(".weight", ".weight_scale")] = scale.float()
-            else:
-                tensors[name] = t
-    for layer, (k, v) in KV_SCALES.items():
-        shape = (1,) if layer == 0 else ()
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.full(shape, k)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.full(shape, v)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    float8 = {"type": "float", "num_bits": 8, "symmetric": True}
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "config_groups": {"group_0": {"targets": ["Linear"],
-                                      "weights": dict(float8, strategy="channel")}},
-        "kv_cache_scheme": dict(float8, strategy="tensor", dynamic=False)}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f)
-    return out_dir
+    return write_fp8_kv_scaled(model_dir, out_dir, KV_SCALES)
 
 
 def fp8_cache_logits(args, params, prompt, attn=None, write_kv=None):
