@@ -230,15 +230,21 @@ def run_case(case: Case) -> dict:
             "tokens": tokens, "top_logprobs": tops}
 
 
+def _conftest():
+    """The tests' conftest: the tiny models' configs and checkpoint writers."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import conftest
+    return conftest
+
+
 def _tiny_llama_dir() -> str:
     import tempfile
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from conftest import TINY_CONFIGS, build_tiny_tokenizer, save_random_checkpoint
-    config = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256,
+    tests = _conftest()
+    config = dict(tests.TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256,
                   max_position_embeddings=8192)  # prompts_for's lengths
-    return save_random_checkpoint(config, tempfile.mkdtemp(prefix="gpu_smoke_llama"),
-                                  build_tiny_tokenizer())
+    return tests.save_random_checkpoint(config, tempfile.mkdtemp(prefix="gpu_smoke_llama"),
+                                        tests.build_tiny_tokenizer())
 
 
 def _tiny_gptq_dir() -> str:
@@ -252,11 +258,11 @@ def _tiny_gptq_dir() -> str:
 def _tiny_fp8_kv_dir() -> str:
     import tempfile
 
-    model = _tiny_llama_dir()  # puts tests/ on the path
-    from conftest import TINY_CONFIGS, write_fp8_kv_scaled
+    tests = _conftest()
     scales = {layer: (0.5 + layer, 2.0 - 0.5 * layer)
-              for layer in range(TINY_CONFIGS["llama"]["num_hidden_layers"])}
-    return write_fp8_kv_scaled(model, tempfile.mkdtemp(prefix="gpu_smoke_fp8_kv"), scales)
+              for layer in range(tests.TINY_CONFIGS["llama"]["num_hidden_layers"])}
+    return tests.write_fp8_kv_scaled(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_fp8_kv"),
+                                     scales)
 
 
 def _run_pooling_case(case: Case) -> dict:

@@ -19,6 +19,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import write_fp8_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 4
@@ -82,33 +83,12 @@ def write_awq(gptq_dir: str, out_dir: str) -> str:
 
 
 def write_fp8(model_dir: str, out_dir: str) -> str:
-    """The checkpoint with every decoder linear in vLLM's fp8 format: float8_e4m3fn weights and
-    a per-output-channel weight_scale."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from jaxllm.loader.safetensors_io import safetensors_files
-
-    tensors = {}
-    for path in safetensors_files(model_dir):
-        for name, t in load_file(path).items():
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0  # [N, 1]
-                tensors[name] = (t / scale).to(torch.float8_e4m3fn)
-                tensors[name.replace(".weight", ".weight_scale")] = scale.float()
-            else:
-                tensors[name] = t
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f)
-    return out_dir
+    """The checkpoint in vLLM's fp8 format: float8_e4m3fn weights and a per-output-channel
+    weight_scale."""
+    return write_fp8_checkpoint(model_dir, out_dir,
+                                {"quant_method": "fp8", "activation_scheme": "dynamic"})
 
 
-# -- the child: every run on 4 devices ------------------------------------------------------
 def _generate(model_dir: str, runs, **common) -> dict:
     from jaxllm import LLM, SamplingParams
 
