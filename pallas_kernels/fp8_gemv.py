@@ -5,6 +5,8 @@ channel, the weights widened in registers and x never quantised.
   values [N, K]  float8_e4m3fn, K minor (quant.Fp8Weight's layout, its output axes flattened)
   scale  [N]     fp32, per output channel
   ->     [M, N]  in x's dtype: y[m, n] = scale[n] * sum_k x[m, k] * values[n, k], fp32 math
+  norm_weight [K] (optional, x's dtype): x is first RMS-normalised (`rms_norm_reference`, a
+                 decoder's input norm), so the norm costs no kernel of its own
 
 With few rows the product is a weight read: each weight is used M times, so the work is to
 stream `values` at HBM bandwidth and to spend few instructions per weight byte.
@@ -43,9 +45,19 @@ _MIN_STEPS_PER_SPLIT = 4  # K tiles per split: shorter loops spend their time in
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def fp8_gemv_reference(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
-    """The module's contract in jnp: x [M, K] @ values [N, K].T * scale [N] -> [M, N] in x's
-    dtype, every product and sum in fp32."""
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., H]: normalised in fp32, cast back before the weight (as HF's LlamaRMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def fp8_gemv_reference(x: jax.Array, values: jax.Array, scale: jax.Array,
+                       norm_weight: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+    """The module's contract in jnp: x [M, K] (RMS-normalised first, given norm_weight) @
+    values [N, K].T * scale [N] -> [M, N] in x's dtype, every product and sum in fp32."""
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, eps)
     y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), values.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -68,23 +80,42 @@ def _weights(v_ref, cols, col_ok, ks, k_ok):
                          other=0.0, eviction_policy="evict_first")
 
 
-def _fma_kernel(x_ref, v_ref, s_ref, o_ref, *, block_n, block_k, steps_per_split):
-    """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores."""
+def _norm_factors(x_ref, eps):
+    """RMSNorm's rsqrt(mean(x[m]^2) + eps) per row of x, fp32, from x's whole rows."""
+    k_total = x_ref.shape[1]
+    ks = jnp.arange(pl.next_power_of_2(k_total), dtype=jnp.int32)
+    factors = []
+    for m in range(x_ref.shape[0]):
+        xm = pltriton.load(x_ref.at[m, ks], mask=ks < k_total, other=0).astype(jnp.float32)
+        factors.append(jax.lax.rsqrt(jnp.sum(xm * xm) / k_total + eps))
+    return factors
+
+
+def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps):
+    """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores.
+    refs: (norm_weight [K], o_ref) with a norm (eps not None), else (o_ref,)."""
+    *norm_ref, o_ref = refs
     num_rows, k_total = x_ref.shape
     cols, col_ok, split, first, last = _tiles(v_ref, block_n, block_k, steps_per_split)
     groups = block_k // _VECTOR
     lanes = (jnp.arange(groups, dtype=jnp.int32)[:, None] * _VECTOR
              + jnp.arange(_VECTOR, dtype=jnp.int32)[None, :])  # [G, 16]
+    factors = _norm_factors(x_ref, eps) if norm_ref else None
+
+    def x_tile(m, ks, k_ok):  # x[m, ks] (normalised, with a norm) as fp32
+        xm = pltriton.load(x_ref.at[m, ks], mask=k_ok, other=0)
+        if factors is not None:  # the unfused norm's two roundings to x's dtype
+            xm = (xm.astype(jnp.float32) * factors[m]).astype(xm.dtype)
+            weight = pltriton.load(norm_ref[0].at[ks], mask=k_ok, other=0)
+            xm = (weight.astype(jnp.float32) * xm.astype(jnp.float32)).astype(xm.dtype)
+        return xm.astype(jnp.float32)
 
     def step(s, acc):  # acc: M x [Bn, G]
         ks = s * block_k + lanes
         k_ok = ks < k_total
         w = _weights(v_ref, cols, col_ok, ks, k_ok).astype(jnp.float32)  # [Bn, G, 16]
-        out = []
-        for m in range(num_rows):
-            xm = pltriton.load(x_ref.at[m, ks], mask=k_ok, other=0).astype(jnp.float32)
-            out.append(acc[m] + jnp.sum(w * xm[None], axis=2))
-        return tuple(out)
+        return tuple(acc[m] + jnp.sum(w * x_tile(m, ks, k_ok)[None], axis=2)
+                     for m in range(num_rows))
 
     acc = jax.lax.fori_loop(first, last, step, tuple(
         jnp.zeros((block_n, groups), jnp.float32) for _ in range(num_rows)))
@@ -102,11 +133,13 @@ def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     return pl.cdiv(steps, pl.cdiv(steps, splits))  # no split left empty
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
-                                             "splits", "interpret"))
-def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array, *, block_n: int | None = None,
-             block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-             splits: int | None = None, interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("eps", "block_n", "block_k", "num_warps",
+                                             "num_stages", "splits", "interpret"))
+def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
+             norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
+             block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+             num_stages: int = 3, splits: int | None = None,
+             interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. block_n (channels a
     program) and block_k (the K tile) are powers of two; num_stages: the K loop's pipeline
     depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits."""
@@ -114,6 +147,9 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array, *, block_n: int 
     if k != k_values or scale.shape != (n,) or values.dtype != FP8:
         raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}, scale "
                          f"{scale.shape}: want [M, K], [N, K] float8_e4m3fn, [N]")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight {norm_weight.shape} {norm_weight.dtype}: want [{k}] "
+                         f"{x.dtype}, x's dtype")
     if jnp.dtype(x.dtype) not in _DTYPES:
         raise ValueError(f"x's dtype {x.dtype}: bfloat16, float16 or float32")
     # the loop takes whole 16-byte groups
@@ -123,12 +159,14 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array, *, block_n: int 
         raise ValueError(f"block_n {block_n}, block_k {block_k}: powers of two, block_k "
                          f">= {_VECTOR}")
     splits = splits or default_splits(n, k, block_n, block_k)
+    norm = () if norm_weight is None else (norm_weight,)
     out = pl.pallas_call(
         functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
-                          steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits)),
+                          steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits),
+                          eps=eps if norm else None),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_gemv",
-    )(x, values, scale.astype(jnp.float32))
+    )(x, values, scale.astype(jnp.float32), *norm)
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)

@@ -58,6 +58,38 @@ def test_kernel_matches_reference(m, n, k, tiles, dtype):
     assert_close(got, x, values, scale)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("m,n,k,tiles", [
+    (1, 200, 300, dict(block_n=32, block_k=64)),  # K not a power of two: the rows' mask
+    (3, 70, 1000, dict(block_n=16, block_k=128, splits=3)),  # every split norms whole rows
+    (1, 96, 512, dict()),
+])
+def test_norm_prologue_matches_norm_then_gemv(m, n, k, tiles, dtype):
+    """With norm_weight the kernel is rms_norm then the GEMV: against the reference that runs
+    them apart (x far from unit scale and a weight around 1, so a missing or doubled norm is off by
+    far more than the tolerance), and not against the GEMV of x as it is."""
+    x, values, scale = random_inputs(7 * m + n + k, m, n, k, dtype)
+    x = x * 30
+    weight = jnp.asarray(np.random.default_rng(k).uniform(0.5, 1.5, k), dtype)
+    got = fp8_gemv(x, values, scale, weight, eps=1e-5, interpret=True, **tiles)
+    assert got.dtype == dtype
+    normed = gemv.rms_norm_reference(x, weight, 1e-5)
+    assert_close(got, normed, values, scale)
+    np.testing.assert_allclose(np.asarray(fp8_gemv_reference(x, values, scale, weight, 1e-5),
+                                          np.float32), np.asarray(fp8_gemv_reference(
+                                              normed, values, scale), np.float32))
+    plain = np.asarray(fp8_gemv_reference(x, values, scale), np.float32)
+    assert np.max(np.abs(np.asarray(got, np.float32) - plain)) > 0.5 * np.max(np.abs(plain))
+
+
+def test_norm_weight_must_match_x():
+    x, values, scale = random_inputs(0, 1, 32, 64)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fp8_gemv(x, values, scale, jnp.ones((63,), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fp8_gemv(x, values, scale, jnp.ones((64,), jnp.float32), interpret=True)
+
+
 def test_default_splits():
     """The 8B's projections (gate/up, o, down, qkv) at the default tiles: gate/up's N tiles
     need no split, o's and down's get the most; a short K is never split below four K tiles a
@@ -131,6 +163,69 @@ def test_dense_mlp_few_tokens_runs_both_projections_through_the_gemv(gemv_calls)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_norm_linear_takes_the_norm_into_the_gemv(gemv_calls):
+    """One token and an FP8 weight: norm_linear is one GEMV call with the norm (its weight
+    passed along), equal to the norm then linear; more tokens, or a plain weight, run the norm
+    apart."""
+    x, w = projection(GEMV_MAX_TOKENS)
+    weight = jnp.asarray(np.linspace(0.5, 1.5, x.shape[1]), x.dtype)
+    got = quant.norm_linear(x * 9, weight, 1e-5, w)
+    assert gemv_calls == [x.shape]
+    want = linear(quant.rms_norm(x * 9, weight, 1e-5), w)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    gemv_calls.clear()
+    xs, _ = projection(GEMV_MAX_TOKENS + 1)
+    np.testing.assert_array_equal(np.asarray(quant.norm_linear(xs, weight, 1e-5, w)),
+                                  np.asarray(linear(quant.rms_norm(xs, weight, 1e-5), w)))
+    assert not gemv_calls
+    plain = dequantize(w, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(quant.norm_linear(x, weight, 1e-5, plain)),
+                                  np.asarray(linear(quant.rms_norm(x, weight, 1e-5), plain)))
+
+
+def test_one_token_fp8_forward_norms_inside_the_gemvs(monkeypatch):
+    """A tiny FP8 Llama's one-token step: every layer's qkv and gate/up GEMVs take their input
+    norm (o and down none), and the logits equal those of the same step with the norms run
+    apart (random norm weights, so a norm dropped or applied twice would show)."""
+    from jaxllm.loader.dummy import dummy_params
+    from jaxllm.models import layers, transformer
+    from jaxllm.models.args import ModelArgs
+    from jaxllm.models.batch import StepBatch
+    from jaxllm.models.fused import fuse_params
+
+    args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                     intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     rms_norm_eps=1e-5, max_position_embeddings=128)
+    params = dummy_params(args, jnp.bfloat16, seed=3)
+    rng = np.random.default_rng(0)
+    for layer in params["layers"]:
+        for name in ("attn_norm", "mlp_norm"):
+            layer[name] = jnp.asarray(rng.uniform(0.2, 3.0, 64), jnp.bfloat16)
+    params = quant.quantize_params_fp8(fuse_params(params, 2))
+    cache = [(jnp.asarray(rng.standard_normal((4, 8, 2, 16)), jnp.bfloat16),) * 2
+             for _ in range(2)]
+    i32 = lambda *v: jnp.asarray(v, jnp.int32)
+    batch = StepBatch(token_ids=i32(17), positions=i32(5), slot_mapping=i32(13),
+                      block_tables=i32([1, 2]), cu_q_lens=i32(0, 1), kv_lens=i32(6),
+                      num_seqs=i32(1), logits_indices=i32(0))
+    norms = []
+    real = gemv.fp8_gemv_reference
+
+    def recorded(x, values, scale, norm_weight=None, eps=1e-6):
+        norms.append(norm_weight is not None)
+        return real(x, values, scale, norm_weight, eps)
+    monkeypatch.setattr(gemv, "fp8_gemv_reference", recorded)
+    fused, _ = transformer.forward(params, cache, batch, args=args)
+    assert norms == [True, False, True, False] * 2  # qkv, o, gate/up, down
+    apart = lambda x, weight, eps, w: linear(quant.rms_norm(x, weight, eps), w)
+    monkeypatch.setattr(transformer, "norm_linear", apart)
+    monkeypatch.setattr(layers, "norm_linear", apart)
+    norms.clear()
+    want, _ = transformer.forward(params, cache, batch, args=args)
+    assert norms == [False] * 8
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(want))
+
+
 def test_linear_runs_the_kernel_on_the_gpu(monkeypatch):
     """On the GPU's backend linear calls the kernel itself (here in interpret mode)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -159,6 +254,10 @@ def test_kernel_lowers_for_cuda():
         text = lower_for_h200(functools.partial(fp8_gemv, **tiles), sds((m, k), dtype),
                               sds((n, k), FP8), sds((n,), jnp.float32))
         assert "fp8_gemv" in text and "triton" in text
+    text = lower_for_h200(functools.partial(fp8_gemv, eps=1e-5), sds((1, 4096), jnp.bfloat16),
+                          sds((28672, 4096), FP8), sds((28672,), jnp.float32),
+                          sds((4096,), jnp.bfloat16))
+    assert "fp8_gemv" in text and "triton" in text
 
 
 def test_linear_lowers_to_the_gemv_for_few_tokens(monkeypatch):

@@ -10,14 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.args import ModelArgs
-from jaxllm.models.quant import fp8_swiglu, fp8_swiglu_applies, linear
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x [..., H]: normalised in fp32, cast back before the weight (as HF's LlamaRMSNorm)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+from jaxllm.models.quant import fp8_swiglu, fp8_swiglu_applies, linear, norm_linear, rms_norm
 
 
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
@@ -57,13 +50,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None) -> jax.Array:
+def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
+              norm_weight: jax.Array | None = None) -> jax.Array:
     """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I].
-    lora: a models.lora.TokenLoRA, whose updates add onto both projections."""
+    lora: a models.lora.TokenLoRA, whose updates add onto both projections. norm_weight: x is
+    still to be RMS-normalised (with it), a prologue of the gate/up GEMM where one fits
+    (quant.norm_linear); not with lora, whose updates read the normalised x."""
     w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
+    if norm_weight is not None and fp8_swiglu_applies(x, w_gate_up, w_down):
+        x, norm_weight = rms_norm(x, norm_weight, args.rms_norm_eps), None
     if lora is None and fp8_swiglu_applies(x, w_gate_up, w_down):
         return fp8_swiglu(x, w_gate_up, w_down)
-    gate_up = linear(x, w_gate_up)
+    gate_up = (linear(x, w_gate_up) if norm_weight is None
+               else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up))
     if lora is not None:
         gate_up = lora.add(gate_up, x, "gate_up")
     hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]

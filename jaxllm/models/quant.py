@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import fp8_gemv, int4_gemv, quant_matmul, silu_mul_fp8
+from pallas_kernels.fp8_gemv import rms_norm_reference as rms_norm
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
@@ -131,14 +132,26 @@ def has_gemv_weights(params) -> bool:
     return any(isinstance(leaf, kinds) for leaf in leaves)
 
 
-def _fp8_gemv(x: jax.Array, w: Fp8Weight) -> jax.Array:
+def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight: jax.Array | None = None,
+              eps: float = 0.0) -> jax.Array:
     """x [T, K] @ w -> [T, *out] by the GEMV kernel (its reference off the GPU), w's output
-    axes flattened (free on one device)."""
-    gemv = (fp8_gemv.fp8_gemv if jax.default_backend() == "gpu"
-            else fp8_gemv.fp8_gemv_reference)
+    axes flattened (free on one device); given norm_weight, x RMS-normalised first, in the
+    kernel."""
     out_shape = w.values.shape[:-1]
-    y = gemv(x, w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1))
+    values, scale = w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1)
+    if jax.default_backend() == "gpu":
+        y = fp8_gemv.fp8_gemv(x, values, scale, norm_weight, eps=eps)
+    else:
+        y = fp8_gemv.fp8_gemv_reference(x, values, scale, norm_weight, eps)
     return y.reshape(x.shape[0], *out_shape)
+
+
+def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w) -> jax.Array:
+    """linear(rms_norm(x, norm_weight, eps), w): where the FP8 GEMV runs, the norm is its
+    prologue (one kernel, not three: the norm's reduction and scaling, then the GEMV)."""
+    if (isinstance(w, Fp8Weight) and fp8_gemv_applies(x) and norm_weight.dtype == x.dtype):
+        return _fp8_gemv(x, w, norm_weight, eps)
+    return linear(rms_norm(x, norm_weight, eps), w)
 
 
 def _fp8_dot(xq: jax.Array, w: Fp8Weight, dtype) -> jax.Array:

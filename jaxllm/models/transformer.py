@@ -15,7 +15,7 @@ from jaxllm.models.args import ModelArgs
 from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" MLPs)
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
 from jaxllm.models.lora import TokenLoRA
-from jaxllm.models.quant import linear
+from jaxllm.models.quant import linear, norm_linear
 from jaxllm.models.batch import StepBatch
 from pallas_kernels.kv_write import write_kv_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -56,15 +56,21 @@ def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
     return out + layer[b] if b in layer else out
 
 
-def _qkv(layer: dict, h: jax.Array, args: ModelArgs, lora: TokenLoRA | None = None):
-    """h [T, H] -> q [T, Hq, D], k, v [T, Hkv, D]: one GEMM over the fused wqkv (models/fused.py)."""
-    qkv = linear(h, layer["wqkv"])  # [T, Hkv, G + 2, D]
-    if lora is not None:
-        qkv = lora.add(qkv, h, "qkv")
+def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = None):
+    """x [T, H] (the residual stream) -> q [T, Hq, D], k, v [T, Hkv, D]: the input norm and one
+    GEMM over the fused wqkv (models/fused.py), the norm in the GEMM where it fits. A layer
+    without an input norm (EAGLE's draft layer) reads x as it is."""
+    if lora is None and "attn_norm" in layer:
+        qkv = norm_linear(x, layer["attn_norm"], args.rms_norm_eps, layer["wqkv"])
+    else:
+        h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps) if "attn_norm" in layer else x
+        qkv = linear(h, layer["wqkv"])  # [T, Hkv, G + 2, D]
+        if lora is not None:
+            qkv = lora.add(qkv, h, "qkv")
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"]
     group = args.num_heads // args.num_kv_heads
-    q = qkv[:, :, :group].reshape(h.shape[0], args.num_heads, args.head_dim)
+    q = qkv[:, :, :group].reshape(x.shape[0], args.num_heads, args.head_dim)
     return q, qkv[:, :, group], qkv[:, :, group + 1]
 
 
@@ -72,9 +78,7 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
                      args: ModelArgs, attn: Callable, write_kv: Callable,
                      lora: TokenLoRA | None):
     num_tokens = x.shape[0]
-    # A layer without an input norm (EAGLE's draft layer) reads x as it is.
-    h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps) if "attn_norm" in layer else x
-    q, k, v = _qkv(layer, h, args, lora)
+    q, k, v = _qkv(layer, x, args, lora)
     if args.qk_norm:
         q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
@@ -150,8 +154,11 @@ def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: Step
                                                  args, attn, write_kv, lora)
         x = (x if residual is None else residual) + out
         residual = None
-        h = rms_norm(x, layer["mlp_norm"], args.rms_norm_eps)
-        x = x + (mlp(layer, h, args, lora=lora) if lora and mlp_lora else mlp(layer, h, args))
+        if lora is None and args.mlp_kind == "dense":  # the norm may fuse into the gate/up GEMV
+            x = x + mlp(layer, x, args, norm_weight=layer["mlp_norm"])
+        else:
+            h = rms_norm(x, layer["mlp_norm"], args.rms_norm_eps)
+            x = x + (mlp(layer, h, args, lora=lora) if lora and mlp_lora else mlp(layer, h, args))
         new_caches.append((k_cache, v_cache))
     return x, new_caches
 
