@@ -24,18 +24,27 @@ import subprocess
 import sys
 
 
-def write_ttir(a) -> None:
-    import jax
-    import jax.numpy as jnp
+def lower_capturing_ttir():
+    """(lower_for_h200, modules): tests/conftest's lowering under an abstract H200, with each
+    Triton module Pallas emits appended to `modules` (str(m.module) is the IR)."""
     from jax._src.pallas.triton import lowering
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
     from conftest import lower_for_h200
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     modules = []
     lower = lowering.lower_jaxpr_to_triton_module
     lowering.lower_jaxpr_to_triton_module = lambda *x, **k: modules.append(lower(*x, **k)) or modules[-1]
+    return lower_for_h200, modules
+
+
+def write_ttir(a) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    lower_for_h200, modules = lower_capturing_ttir()
     sds = jax.ShapeDtypeStruct
     cache = sds((512, 16, 8, 128), jnp.dtype(a.kv_dtype))
     s = a.max_seqs
