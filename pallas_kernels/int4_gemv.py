@@ -18,23 +18,18 @@ CUDA cores issue about 3.5 instructions a weight at HBM rate, so each one counts
 conversions and sums are per row of the tile and column of a thread, so wider tiles (more
 columns a thread) spend fewer of them a weight.
 
-Programs: (N tile, K split). A program owns `block_n` columns and a range of 128-row chunks,
-held as [16, T, SUB] words (T tiles of SUB = 8 * num_warps columns, N minor: coalesced) so that
-Triton lays one of the 16 rows on each thread, with 4T columns: x's loads, conversions and sums
-are per row of a thread, and so fewest a weight. Triton's pipeliner leaves a loop without a dot
-alone, so the loop pipelines by hand: at the top of chunk c it issues chunk c + 1's reads (words,
-scales and zeros evicted first, so that x, re-read per chunk, stays cached; x's rows) into the
-loop's carry, and chunk c computes on the reads issued one chunk earlier: a chunk's latency
-hides behind the last chunk's arithmetic, not only behind the SM's other warps. For each nibble
-j and each row m of x (a static loop) it accumulates part[m] += (1 + q / 16) * x[m, chunk's row
-j * 16 + r] with x broadcast over the columns: elementwise FMAs, no layout conversion (only the
-scales' and zeros' [T, SUB], once a part). Zero point and scale apply once per part (a group, or
-each 128-row chunk of a longer group; the correction is linear, so a group corrected in parts
-sums to the same), quant_matmul's identity
+Programs: (N tile, K split). A program owns `block_n` columns and a range of 128-row chunks. Per
+chunk it first issues every global read (the [16, block_n] tile of words, N minor: coalesced;
+the chunk's scales and zeros; evicted first, so that x, re-read per chunk, stays cached), one
+latency a chunk that the SM's other warps hide (Triton's pipeliner leaves a loop without a dot
+alone). Then, for each nibble j and each row m of x (a static loop), it accumulates part[m] +=
+(1 + q / 16) * x[m, chunk's row j * 16 + r] with x broadcast over the columns: elementwise
+[16, block_n] FMAs, no layout conversion (only the scales' [block_n] vectors, once a part).
+Zero point and scale apply once per part (a group, or each 128-row chunk of a longer group; the
+correction is linear, so a group corrected in parts sums to the same), quant_matmul's identity
   sum_k x w = 16 * s * (sum_k x (1 + q / 16) - (1 + z / 16) * sum_k x)
 taken per lane r: xsum[m] [16] holds x's sums over the part's rows j * 16 + r, so the
-correction is elementwise too (two FMAs; the 16 waits for the store) and acc's 16 rows are
-summed once, before the store.
+correction is elementwise too and acc's 16 rows are summed once, before the store.
 
 When N / block_n tiles are too few to keep every SM streaming (an o projection: N = 4096), K is
 split into `splits` ranges of whole chunks whose fp32 partial products the wrapper sums
@@ -58,13 +53,10 @@ from pallas_kernels.quant_matmul import CHUNK_ROWS
 _SLICE = 16  # rows per nibble of a chunk: the words tile's rows
 # Tiles from the H200 sweep (experiments/int4_gemv_gpu.py): wide tiles and short K ranges
 # (many programs) were fastest on each of the 8B's four projections.
-DEFAULT_BLOCK_N = 256  # [16, 4, 64] words: 64 bytes a thread at 8 warps
+DEFAULT_BLOCK_N = 256  # a [16, 256] words tile: 64 bytes a thread at 8 warps
 DEFAULT_NUM_WARPS = 8
 _TARGET_PROGRAMS = 896  # about seven per SM on an H200 (132 SMs)
 _MIN_CHUNKS_PER_SPLIT = 2
-# SUB: Triton fills a warp along N first (4 words a thread), then the rows: 8 columns a warp
-# leave one of the 16 rows a thread
-_SUB_N_PER_WARP = 8
 _ONE, _MANTISSA_TOP = quant_matmul._ONE_PLUS_NIBBLE[jnp.dtype(jnp.float32)]  # 1.0's bits, 19
 _NIBBLE_MASK = 0xF << _MANTISSA_TOP
 
@@ -85,64 +77,55 @@ def _one_plus_nibble(words, high, j, one):
                                         | one, jnp.float32)
 
 
-def _kernel(one_ref, x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n,
-            chunks_per_split):
-    """o_ref [splits, M, N]: this split's x @ w over its chunks, for one N tile, as
-    [16, T, SUB] tiles (T = block_n / SUB). one_ref [1]: 1.0's bits, read at run time so that
-    the mask and the OR fuse into one LOP3 (LOP3 takes one immediate: two constants cost two)."""
+def _kernel(one_ref, x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, chunks_per_split):
+    """o_ref [splits, M, N]: this split's x @ w over its chunks, for one N tile. one_ref [1]:
+    1.0's bits, read at run time so that the mask and the OR fuse into one LOP3 (LOP3 takes one
+    immediate: two constants cost two)."""
     num_rows = x_ref.shape[0]
     one = one_ref[0]
-    tiles = block_n // sub_n
-    cols = (pl.program_id(0) * block_n + sub_n * jnp.arange(tiles, dtype=jnp.int32)[:, None]
-            + jnp.arange(sub_n, dtype=jnp.int32)[None, :])  # [T, SUB]
+    cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < q_ref.shape[1]
     lanes = jnp.arange(_SLICE, dtype=jnp.int32)
     part_rows = math.gcd(group, CHUNK_ROWS)  # rows per correction
     nibbles_per_part = part_rows // _SLICE
+
+    def corrections(c):
+        """Per part of chunk c: (16 s, 16 s (1 + z / 16)) [BN] of its group."""
+        out = []
+        for p in range(CHUNK_ROWS // part_rows):
+            g = (c * CHUNK_ROWS + p * part_rows) // group
+            s16 = 16 * _load(s_ref.at[g, cols], col_ok).astype(jnp.float32)
+            out.append((s16, s16 * (1 + _load(z_ref.at[g, cols], col_ok).astype(jnp.float32) / 16)))
+        return out
+
+    def chunk(c, acc):  # acc: M x [16, BN]
+        # every global read of the chunk first: one latency a chunk, hidden by other warps
+        words = _load(q_ref.at[c * _SLICE + lanes[:, None], cols[None, :]], col_ok[None, :])
+        high = words >> 16
+        for p, (s16, zs16) in enumerate(corrections(c)):
+            part = [jnp.zeros((_SLICE, block_n), jnp.float32)] * num_rows
+            xsum = [jnp.zeros((_SLICE,), jnp.float32)] * num_rows
+            for j in range(p * nibbles_per_part, (p + 1) * nibbles_per_part):
+                # fp32 whatever x's dtype: x's products and sums stay fp32
+                f = _one_plus_nibble(words, high, j, one)  # [16, BN]
+                for m in range(num_rows):
+                    xs = pltriton.load(x_ref.at[m, c * CHUNK_ROWS + j * _SLICE + lanes])
+                    xs = xs.astype(jnp.float32)
+                    part[m] = part[m] + f * xs[:, None]
+                    xsum[m] = xsum[m] + xs
+            # the part's x @ w, lane by lane (acc's 16 rows summed at the end)
+            acc = tuple(a + s16[None] * pm - zs16[None] * xm[:, None]
+                        for a, pm, xm in zip(acc, part, xsum))
+        return acc
+
     split = pl.program_id(1)
     first = split * chunks_per_split
     last = jnp.minimum(first + chunks_per_split, x_ref.shape[1] // CHUNK_ROWS)
-
-    def fetch(c):
-        """Chunk c's reads, as loaded: words [16, T, SUB] and, per part, its group's scales and
-        zeros [T, SUB] (0 from `last` on); per nibble j and row m, x[m, j's 16 rows] (the last
-        chunk's from `last` on: x stays cached, an unmasked load needs no zeroing)."""
-        ok = col_ok & (c < last)
-        words = _load(q_ref.at[c * _SLICE + lanes[:, None, None], cols[None]], ok[None])
-        groups = [(c * CHUNK_ROWS + p * part_rows) // group
-                  for p in range(CHUNK_ROWS // part_rows)]
-        x_rows = jnp.minimum(c, last - 1) * CHUNK_ROWS + lanes
-        xs = [[pltriton.load(x_ref.at[m, x_rows + j * _SLICE]) for m in range(num_rows)]
-              for j in range(CHUNK_ROWS // _SLICE)]
-        return (words, [_load(s_ref.at[g, cols], ok) for g in groups],
-                [_load(z_ref.at[g, cols], ok) for g in groups], xs)
-
-    def chunk(c, carry):  # carry: acc (M x [16, T, SUB]) / 16 and fetch(c)
-        acc, (words, scales, zeros, xs) = carry
-        ahead = fetch(c + 1)  # in flight while chunk c computes
-        high = words >> 16
-        for p, (s, z) in enumerate(zip(scales, zeros)):
-            s = s.astype(jnp.float32)[None]
-            z = 1 + z.astype(jnp.float32)[None] / 16
-            part = [jnp.zeros(words.shape, jnp.float32)] * num_rows
-            xsum = [jnp.zeros((_SLICE,), jnp.float32)] * num_rows
-            for j in range(p * nibbles_per_part, (p + 1) * nibbles_per_part):
-                f = _one_plus_nibble(words, high, j, one)  # [16, T, SUB]
-                for m in range(num_rows):
-                    # fp32 whatever x's dtype: x's products and sums stay fp32
-                    xm = xs[j][m].astype(jnp.float32)
-                    part[m] = part[m] + f * xm[:, None, None]
-                    xsum[m] = xsum[m] + xm
-            # the part's x @ w / 16, lane by lane (acc's 16 rows summed at the end)
-            acc = tuple(a + s * (pm - z * xm[:, None, None])
-                        for a, pm, xm in zip(acc, part, xsum))
-        return acc, ahead
-
-    acc, _ = jax.lax.fori_loop(first, last, chunk, (tuple(
-        jnp.zeros((_SLICE, tiles, sub_n), jnp.float32) for _ in range(num_rows)), fetch(first)))
+    acc = jax.lax.fori_loop(first, last, chunk, tuple(
+        jnp.zeros((_SLICE, block_n), jnp.float32) for _ in range(num_rows)))
     for m in range(num_rows):
-        pltriton.store(o_ref.at[split, m, cols],
-                       (16 * jnp.sum(acc[m], axis=0)).astype(o_ref.dtype), mask=col_ok)
+        pltriton.store(o_ref.at[split, m, cols], jnp.sum(acc[m], axis=0).astype(o_ref.dtype),
+                       mask=col_ok)
 
 
 def _whole_splits(chunks: int, splits: int) -> int:
@@ -176,7 +159,6 @@ def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Ar
     splits = _whole_splits(chunks, splits or default_splits(n, k, block_n))
     out = pl.pallas_call(
         functools.partial(_kernel, group=group, block_n=block_n,
-                          sub_n=min(block_n, _SUB_N_PER_WARP * num_warps),
                           chunks_per_split=pl.cdiv(chunks, splits)),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
