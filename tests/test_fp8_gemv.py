@@ -1,8 +1,12 @@
 """The W8A16 FP8 GEMV: the Pallas kernel (interpret mode) against the jnp reference, the
-reference against numpy (ml_dtypes' float8), quant.linear's routing (few tokens to the GEMV, more
-to W8A8, one device only), and the CUDA lowering of the kernel and of linear's GPU path."""
+reference against numpy (ml_dtypes' float8), the input norm as its prologue, quant.linear's and
+norm_linear's routing (few tokens to the GEMV, more to W8A8, one device only), the CUDA lowering
+of the kernel and of linear's GPU path, and gemv_report.py's lowering step."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -310,3 +314,18 @@ def test_an_fp8_engine_runs_one_token_steps_through_the_gemv(tiny_llama_dir, gem
     gemv_err, w8a8_err = error(alone), error(together)
     print(f"mean |logprob error| vs bf16: W8A16 {gemv_err:.4f}, W8A8 {w8a8_err:.4f}")
     assert gemv_err < w8a8_err and gemv_err < 0.05
+
+
+@pytest.mark.parametrize("kernel", ["fp8", "int4"])
+def test_gemv_report_writes_the_kernels_triton_ir(tmp_path, kernel):
+    """benchmarks/experiments/gemv_report.py's jax half (the compile needs the triton package):
+    the Triton IR of one GEMV call at the 8B's gate/up shape."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "experiments",
+                                                       "gemv_report.py"), "--kernel", kernel,
+                          "--k", "4096", "--n", "28672", "--out", str(tmp_path)], cwd=root,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ttir = (tmp_path / "kernel.ttir").read_text()
+    assert f"{kernel}_gemv" in ttir and "tt.func" in ttir and "scf.for" in ttir
