@@ -1,0 +1,200 @@
+"""A candidate W4A16 GEMV with fewer instructions a weight: nibbles widened two at a time into
+packed half2 registers and multiplied by x in half2 (inline PTX), sums of four products widened
+to fp32. Not the product's kernel until an H200 run times it (`int4_gemv_gpu.py` runs it as
+`int4_gemv_half2`, checked against the reference first); `pallas_kernels/int4_gemv.py` has the
+layout, the contract and the reference.
+
+Why: the product's GEMV spends a shift, a LOP3 and an fp32 FMA on every weight, and on the H200
+both GEMVs stream weights at about half of what their instruction counts allow
+(docs/lab/2026-12-02-session20.md): the count bounds them. Here a word (8 nibbles: rows
+j * 16 + r of a 128-row chunk, j = 0..7) costs a shift and 4 LOP3s (each masks two nibbles, at
+bits 0-3 and 16-19 or 4-7 and 20-23, and ORs in 1024.0's half bits: 1024 + n or 1024 + 16 n,
+exact), 4 half2 subtractions / FMAs removing the bias, 4 half2 multiplies / FMAs with x's pairs
+(rows j and j + 4), one half2 add and 2 widenings; then one fp32 FMA a group. Zero points cost
+nothing a word: sum_k x w = s sum_k x n - s z sum_k x, the second term accumulated per column
+from x's sums. The words tile is [16, T, SUB] so that each thread holds one row: x's loads and
+packing serve all of a thread's columns.
+
+Precision: a half2 lane sums four products n * x (four roundings to fp16's 11 bits), so x's rows
+are first scaled by a power of two that brings their absolute max to [512, 1024) (no sum
+reaches fp16's 65504, no normal x underflows), undone at the store.
+
+In interpret mode (the CPU) the inline-PTX blocks run as their jnp twins (`_pack_pairs`,
+`_dot8`), with the same roundings, so the tests check the algorithm; the PTX is checked on the
+GPU, against the reference, before the sweep times it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import quant_matmul
+from pallas_kernels.int4_gemv import DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, _load, _whole_splits
+from pallas_kernels.int4_gemv import default_splits
+from pallas_kernels.quant_matmul import CHUNK_ROWS
+
+_SLICE = 16  # a chunk's rows per nibble
+# SUB: Triton fills a warp along N first (4 words a thread), then the rows: 8 columns a warp
+# leave one of the 16 rows a thread
+_SUB_N_PER_WARP = 8
+_X_TOP = 9  # x's rows scaled to an absolute max in [2^9, 2^10): 4 products a half lane < 65504
+
+# d = half2(hi = a, lo = b)
+_PACK_PTX = "cvt.rn.f16x2.f32 $0, $2, $1;"
+# $0 <- half2 sums x_j n_j + x_j' n_j' of word $1 for j = 0 | 4 and j' = 1 | 5 (lo | hi), with
+# x pairs $2 = (x_j0 | x_j4), $3 = (x_j1 | x_j5); the same PTX on word >> 8 gives j = 2 | 6 and
+# j' = 3 | 7. LOP3 0xEA: (a & b) | c; 0x6400: 1024.0, 0x2C00: 1 / 16, 0xD400: -64.0
+_DOT4_PTX = """{
+.reg .b32 t0, t1, k, c;
+lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 k, 0x64006400;
+sub.rn.f16x2 t0, t0, k;
+mov.b32 k, 0x2C002C00;
+mov.b32 c, 0xD400D400;
+fma.rn.f16x2 t1, t1, k, c;
+mul.rn.f16x2 $0, t0, $2;
+fma.rn.f16x2 $0, t1, $3, $0;
+}"""
+# $0 <- half2 $1 + $2
+_ADD_PTX = "add.rn.f16x2 $0, $1, $2;"
+# $0 <- the lo (l) or hi (h) half of half2 $1, as fp32
+_WIDEN_PTX = "{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {}; }}"
+
+
+def _pack_pairs(lo, hi, interpret):
+    """lo, hi [16] fp32 -> their fp16 pair: an int32 [16] (half2 bits) on the GPU; in interpret
+    mode the two fp16 arrays, as _dot8's twin takes them."""
+    if interpret:
+        return lo.astype(jnp.float16), hi.astype(jnp.float16)
+    return _asm(_PACK_PTX, jnp.int32, "=r,f,f", lo, hi)
+
+
+def _asm(ptx, out_dtype, constraints, *args):
+    [out] = pltriton.elementwise_inline_asm(
+        ptx, args=list(args), constraints=constraints, pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, out_dtype)])
+    return out
+
+
+def _dot8(words, pairs, part_rows, interpret):
+    """words [16, T, SUB] int32, pairs: 4 x-pairs [16] (_pack_pairs') -> fp32 [16, T, SUB] sums of
+    x_j n_j over each word's rows j of a part: 32-row parts (j in {0, 1}, {2, 3}, {4, 5},
+    {6, 7}) for 32-row groups, else 64-row halves (j < 4, j >= 4): two products a half2 lane,
+    then the lanes' halves added in half2, rounded as the PTX rounds them."""
+    if interpret:
+        nib = [((words >> (4 * j)) & 0xF).astype(jnp.float32) for j in range(8)]
+        x = [pairs[j % 4][j // 4].astype(jnp.float32)[:, None, None] for j in range(8)]
+        half = lambda v: v.astype(jnp.float16).astype(jnp.float32)
+        quarters = [half(half(nib[j] * x[j]) + nib[j + 1] * x[j + 1]) for j in (0, 2, 4, 6)]
+        if part_rows == 32:
+            return quarters
+        return [half(quarters[0] + quarters[1]), half(quarters[2] + quarters[3])]
+    wide = [jnp.broadcast_to(p[:, None, None], words.shape) for p in pairs]
+    a = _asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words, wide[0], wide[1])  # rows 0, 1 | 4, 5
+    b = _asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words >> 8, wide[2], wide[3])  # 2, 3 | 6, 7
+    widen = lambda v, half: _asm(_WIDEN_PTX.format(half), jnp.float32, "=f,r", v)
+    if part_rows == 32:
+        return [widen(a, "l"), widen(b, "l"), widen(a, "h"), widen(b, "h")]
+    ab = _asm(_ADD_PTX, jnp.int32, "=r,r,r", a, b)
+    return [widen(ab, "l"), widen(ab, "h")]
+
+
+def _row_scales(x_ref):
+    """Per row of x: the power of two taking its absolute max into [2^_X_TOP, 2^(_X_TOP + 1))."""
+    k = x_ref.shape[1]
+    ks = jnp.arange(pl.next_power_of_2(k), dtype=jnp.int32)
+    scales = []
+    for m in range(x_ref.shape[0]):
+        top = jnp.max(jnp.abs(pltriton.load(x_ref.at[m, ks], mask=ks < k, other=0)
+                              .astype(jnp.float32)))
+        exponent = (jax.lax.bitcast_convert_type(top, jnp.int32) >> 23) & 0xFF
+        bits = jnp.clip(127 + _X_TOP + 127 - exponent, 1, 254) << 23
+        scales.append(jax.lax.bitcast_convert_type(bits, jnp.float32))
+    return scales
+
+
+def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_per_split,
+            interpret):
+    """o_ref [splits, M, N]: this split's x @ w over its chunks, for one N tile held as
+    [16, T, SUB] words (T = block_n / SUB), so that Triton gives each thread one of the 16 rows
+    and its x work serves 4T columns. The zero points' share, s z sum_k x, accumulates per
+    column ([T, SUB], from x's sums over each part), the rest per word; their difference is
+    taken once, at the store."""
+    num_rows = x_ref.shape[0]
+    tiles = block_n // sub_n
+    cols = (pl.program_id(0) * block_n + sub_n * jnp.arange(tiles, dtype=jnp.int32)[:, None]
+            + jnp.arange(sub_n, dtype=jnp.int32)[None, :])  # [T, SUB]
+    col_ok = cols < q_ref.shape[1]
+    lanes = jnp.arange(_SLICE, dtype=jnp.int32)
+    sum_rows = 32 if group % 64 else 64  # rows of one of _dot8's sums
+    sums_per_group = max(1, group // sum_rows) if group < CHUNK_ROWS else CHUNK_ROWS // sum_rows
+    x_scales = _row_scales(x_ref)
+
+    def chunk(c, carry):  # M x ([16, T, SUB] s x n, [T, SUB] s z x) in x's scaled units
+        words = _load(q_ref.at[c * _SLICE + lanes[:, None, None], cols[None]], col_ok[None])
+        num_groups = CHUNK_ROWS // (sum_rows * sums_per_group)
+        groups = [(c * CHUNK_ROWS + g * CHUNK_ROWS // num_groups) // group
+                  for g in range(num_groups)]
+        s = [_load(s_ref.at[g, cols], col_ok).astype(jnp.float32) for g in groups]
+        sz = [si * _load(z_ref.at[g, cols], col_ok).astype(jnp.float32)
+              for si, g in zip(s, groups)]
+        out = []
+        for m in range(num_rows):
+            xs = [pltriton.load(x_ref.at[m, c * CHUNK_ROWS + j * _SLICE + lanes])
+                  .astype(jnp.float32) * x_scales[m] for j in range(8)]
+            sums = _dot8(words, [_pack_pairs(xs[j], xs[j + 4], interpret) for j in range(4)],
+                         sum_rows, interpret)
+            acc, zero = carry[m]
+            rows_per_group = 8 // num_groups  # nibbles j a group covers
+            for g in range(num_groups):
+                part = sum(sums[g * sums_per_group + 1:(g + 1) * sums_per_group],
+                           sums[g * sums_per_group])
+                xsum = jnp.sum(sum(xs[g * rows_per_group + 1:(g + 1) * rows_per_group],
+                                   xs[g * rows_per_group]))
+                acc = acc + s[g][None] * part
+                zero = zero + sz[g] * xsum
+            out.append((acc, zero))
+        return tuple(out)
+
+    split = pl.program_id(1)
+    first = split * chunks_per_split
+    last = jnp.minimum(first + chunks_per_split, x_ref.shape[1] // CHUNK_ROWS)
+    carry = jax.lax.fori_loop(first, last, chunk, tuple(
+        (jnp.zeros((_SLICE, tiles, sub_n), jnp.float32), jnp.zeros((tiles, sub_n), jnp.float32))
+        for _ in range(num_rows)))
+    for m, (acc, zero) in enumerate(carry):
+        pltriton.store(o_ref.at[split, m, cols],
+                       ((jnp.sum(acc, axis=0) - zero) / x_scales[m]).astype(o_ref.dtype),
+                       mask=col_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "splits", "num_warps", "num_stages",
+                                             "interpret"))
+def int4_gemv_half2(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Array, *,
+                    block_n: int | None = None, splits: int | None = None,
+                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = 3,
+                    interpret: bool = False) -> jax.Array:
+    """int4_gemv's contract and tiling arguments; groups of 32, 64 or whole chunks."""
+    group = quant_matmul._check(x, qweight, scales, zeros)
+    if group not in (32, 64) and group % CHUNK_ROWS:
+        raise ValueError(f"group size {group}: 32, 64 or a multiple of {CHUNK_ROWS}")
+    (m, k), n = x.shape, qweight.shape[1]
+    block_n = min(block_n or DEFAULT_BLOCK_N, max(_SLICE, pl.next_power_of_2(n)))
+    chunks = k // CHUNK_ROWS
+    splits = _whole_splits(chunks, splits or default_splits(n, k, block_n))
+    out = pl.pallas_call(
+        functools.partial(_kernel, group=group, block_n=block_n,
+                          sub_n=min(block_n, _SUB_N_PER_WARP * num_warps),
+                          chunks_per_split=pl.cdiv(chunks, splits), interpret=interpret),
+        grid=(pl.cdiv(n, block_n), splits),
+        out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="int4_gemv_half2",
+    )(x, qweight, scales, zeros)
+    return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
