@@ -55,9 +55,11 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
     """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I].
     lora: a models.lora.TokenLoRA, whose updates add onto both projections. norm_weight: x is
     still to be RMS-normalised (with it), a prologue of the gate/up GEMM where one fits
-    (quant.norm_linear); not with lora, whose updates read the normalised x."""
+    (quant.norm_linear); normalised first where the normalised x is needed whole (LoRA's
+    updates, fp8_swiglu)."""
     w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
-    if norm_weight is not None and fp8_swiglu_applies(x, w_gate_up, w_down):
+    if norm_weight is not None and (lora is not None
+                                    or fp8_swiglu_applies(x, w_gate_up, w_down)):
         x, norm_weight = rms_norm(x, norm_weight, args.rms_norm_eps), None
     if lora is None and fp8_swiglu_applies(x, w_gate_up, w_down):
         return fp8_swiglu(x, w_gate_up, w_down)

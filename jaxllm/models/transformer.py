@@ -144,7 +144,8 @@ def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: Step
     cos, sin = rope_cos_sin(batch.positions, args)
     new_caches = []
     loras = loras or [None] * len(layers)
-    mlp_lora = args.mlp_kind == "dense"  # experts take no adapters (models/lora.py)
+    # the dense MLP takes adapters and its input norm; experts take no adapters (models/lora.py)
+    dense = args.mlp_kind == "dense"
     for index, (layer, (k_cache, v_cache), stacks) in enumerate(zip(layers, kv_caches, loras,
                                                                     strict=True)):
         if capture and index in capture:
@@ -154,11 +155,10 @@ def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: Step
                                                  args, attn, write_kv, lora)
         x = (x if residual is None else residual) + out
         residual = None
-        if lora is None and args.mlp_kind == "dense":  # the norm may fuse into the gate/up GEMV
-            x = x + mlp(layer, x, args, norm_weight=layer["mlp_norm"])
+        if dense:  # the norm fused into the gate/up GEMV where it can be
+            x = x + mlp(layer, x, args, lora=lora, norm_weight=layer["mlp_norm"])
         else:
-            h = rms_norm(x, layer["mlp_norm"], args.rms_norm_eps)
-            x = x + (mlp(layer, h, args, lora=lora) if lora and mlp_lora else mlp(layer, h, args))
+            x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args)
         new_caches.append((k_cache, v_cache))
     return x, new_caches
 
