@@ -2,8 +2,9 @@
 bf16 XLA dot and today's W8A8 path (quant._fp8_w8a8: x quantised per token, cuBLAS's FP8 dot,
 both scales), on Llama-3.1-8B's four projections at 1 to 16 tokens (1: the one-token bucket
 FP8 engines get, so batch-1 decode; 16: the next bucket), with a sweep of the kernel's tilings
-at one token; every output checked against the reference before it is timed. bf16 is timed at
-1 and 16 tokens only (a weight read at any of these token counts).
+at one token, and the half2 candidate (experiments/fp8_gemv_half2.py) at its defaults; every
+output checked against the reference before it is timed. bf16 is timed at 1 and 16 tokens only
+(a weight read at any of these token counts).
 
     python benchmarks/experiments/fp8_gemv_gpu.py --out DIR [--cpu] [--budget-s 190]
 
@@ -24,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -33,6 +35,9 @@ from jaxllm.models import quant
 from pallas_kernels.bench import timed_variant
 from pallas_kernels.ceilings import measure_ceilings
 from pallas_kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_gemv_half2 import fp8_gemv_half2  # noqa: E402
 
 SHAPES = {"gpu": {"qkv": (4096, (6144,)), "o": (4096, (4096,)),
                   "gate_up": (4096, (2, 14336)), "down": (14336, (4096,))},
@@ -59,11 +64,11 @@ def make_weights(k: int, out: tuple, copies: int, key) -> tuple[list, list]:
     return bf16, fp8
 
 
-def gemv_path(tiles: dict, interpret: bool):
+def gemv_path(tiles: dict, interpret: bool, kernel=fp8_gemv):
     """fn(x, w_bf16, w_fp8) -> [T, *out]: the kernel on w_fp8's output axes flattened."""
     def fn(x, _, w):
-        flat = fp8_gemv(x, w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1),
-                        interpret=interpret, **tiles)
+        flat = kernel(x, w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1),
+                      interpret=interpret, **tiles)
         return flat.reshape(x.shape[0], *w.values.shape[:-1])
     return fn
 
@@ -105,7 +110,8 @@ def main() -> None:
             variants = [] if (tokens, proj) in seen else [
                 ("bf16", None, lambda x, w, _: jnp.tensordot(x, w, axes=1)),
                 ("w8a8", None, lambda x, _, w: quant._fp8_w8a8(x, w)),
-                ("gemv", {}, gemv_path({}, cli.cpu))][0 if with_bf16 else 1:]
+                ("gemv", {}, gemv_path({}, cli.cpu)),
+                ("half2", {}, gemv_path({}, cli.cpu, fp8_gemv_half2))][0 if with_bf16 else 1:]
             seen.add((tokens, proj))
             variants += [("gemv", tiles, gemv_path(tiles, cli.cpu)) for tiles in tiles_list]
             for name, tiles, fn in variants:
@@ -127,7 +133,8 @@ def main() -> None:
                     got = jax.jit(fn)(x, bf16[0], fp8[0])
                     err = row_err(got, want["bf16" if name == "bf16" else "fp8"])
                     # the GEMV: the reference to bf16 rounding (W8A8 is off by x's float8's)
-                    return dict(err=err, **({"ok": err < 1e-2} if name == "gemv" else {}))
+                    return dict(err=err, **({"ok": err < 1e-2} if name in ("gemv", "half2")
+                                            else {}))
                 row = timed_variant(row, check, call, x, bf16, fp8, nbytes=k * n,
                                     copy_GBps=copy)
                 print(json.dumps(row), flush=True)
@@ -156,7 +163,8 @@ def print_table(log: dict) -> None:
         for label, pick in (("bf16", lambda r: r["path"] == "bf16"),
                             ("w8a8", lambda r: r["path"] == "w8a8"),
                             ("gemv", lambda r: r["path"] == "gemv" and r.get("defaults")),
-                            ("gemv best", lambda r: r["path"] == "gemv")):
+                            ("gemv best", lambda r: r["path"] == "gemv"),
+                            ("half2", lambda r: r["path"] == "half2")):
             per_proj = [min((r["us"] for r in at if r["proj"] == p and pick(r)), default=None)
                         for p in projs]
             if None not in per_proj:
