@@ -1,7 +1,8 @@
 """A candidate W8A16 FP8 GEMV with fewer instructions a weight: float8 pairs widened to packed
 half2 in one instruction and multiplied by x in half2 (inline PTX), the half2 sums widened to
 fp32 every few K tiles. Not the product's kernel until an H200 run times it
-(`fp8_gemv_gpu.py --half2`); `pallas_kernels/fp8_gemv.py` has the contract and the reference.
+(`fp8_gemv_gpu.py` times it as `half2`); `pallas_kernels/fp8_gemv.py` has the contract and
+the reference.
 
 Why: the product's GEMV widens each weight to fp32 (a conversion to half2 a pair, then one to
 fp32 a weight) and spends an fp32 FMA on it, ~4.8 instructions a weight in all, and streams at
