@@ -6,6 +6,7 @@ lowering with the inline PTX."""
 import functools
 import importlib.util
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from conftest import lower_for_h200
 from test_int4_gemv import random_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "experiments"))  # the candidates' half2.py
 _spec = importlib.util.spec_from_file_location(
     "int4_gemv_half2", os.path.join(ROOT, "benchmarks", "experiments", "int4_gemv_half2.py"))
 half2 = importlib.util.module_from_spec(_spec)

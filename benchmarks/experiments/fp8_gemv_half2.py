@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from half2 import asm, pow2_scale, widen
+
 from pallas_kernels.fp8_gemv import DEFAULT_TILE, FP8, default_splits
 
 _WORDS = 4  # int32 words a thread loads at once: 16 float8 values
@@ -49,15 +51,6 @@ cvt.rn.f16x2.e4m3x2 b, hi;
 fma.rn.f16x2 $0, a, $2, $4;
 fma.rn.f16x2 $0, b, $3, $0;
 }"""
-# $0 <- the lo (l) or hi (h) half of half2 $1, as fp32
-_WIDEN_PTX = "{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {}; }}"
-
-
-def _asm(ptx, out_dtype, constraints, *args):
-    [out] = pltriton.elementwise_inline_asm(
-        ptx, args=list(args), constraints=constraints, pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, out_dtype)])
-    return out
 
 
 def _half(v):
@@ -74,15 +67,14 @@ def _fma4(words, x01, x23, acc, interpret):
         hi = _half(w[3] * x23[1] + _half(w[1] * x01[1] + acc[1]))
         return lo, hi
     x01, x23 = (jnp.broadcast_to(p, words.shape) for p in (x01, x23))
-    return _asm(_FMA4_PTX, jnp.int32, "=r,r,r,r,r", words, x01, x23, acc)
+    return asm(_FMA4_PTX, jnp.int32, "=r,r,r,r,r", words, x01, x23, acc)
 
 
 def _widened(acc, interpret):
     """A half2 accumulator's two lanes summed in fp32."""
     if interpret:
         return acc[0] + acc[1]
-    widen = lambda half: _asm(_WIDEN_PTX.format(half), jnp.float32, "=f,r", acc)
-    return widen("l") + widen("h")
+    return widen(acc, "l") + widen(acc, "h")
 
 
 def _x_pairs(x):
@@ -91,9 +83,7 @@ def _x_pairs(x):
     the row scales [M, 1] fp32). A few XLA ops on K values a row, before the kernel."""
     x32 = x.astype(jnp.float32)
     top = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
-    exponent = (jax.lax.bitcast_convert_type(top, jnp.int32) >> 23) & 0xFF
-    scales = jax.lax.bitcast_convert_type(
-        jnp.clip(127 + _X_TOP + 127 - exponent, 1, 254) << 23, jnp.float32)
+    scales = pow2_scale(top, _X_TOP)
     halves = (x32 * scales).astype(jnp.float16).reshape(x.shape[0], -1, 2, 2)
     pairs = jax.lax.bitcast_convert_type(halves, jnp.int32)  # [M, K / 4, 2]
     return pairs[..., 0], pairs[..., 1], scales

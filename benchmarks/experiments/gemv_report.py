@@ -46,27 +46,26 @@ def write_ttir(a) -> None:
     sds = jax.ShapeDtypeStruct
     x = sds((a.m, a.k), jnp.bfloat16)
     if a.kernel in ("int4", "int4_half2"):
+        from int4_gemv_half2 import int4_gemv_half2  # the candidate beside this script
         from pallas_kernels.int4_gemv import DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, int4_gemv
-        if a.kernel == "int4_half2":  # the candidate beside this script
-            from int4_gemv_half2 import int4_gemv_half2 as int4_gemv
+        kernel = int4_gemv_half2 if a.kernel == "int4_half2" else int4_gemv
         a.block_n, a.num_warps = a.block_n or DEFAULT_BLOCK_N, a.num_warps or DEFAULT_NUM_WARPS
         groups = a.k // a.group
-        lower_for_h200(functools.partial(int4_gemv, block_n=a.block_n, num_warps=a.num_warps,
+        lower_for_h200(functools.partial(kernel, block_n=a.block_n, num_warps=a.num_warps,
                                          splits=a.splits), x, sds((a.k // 8, a.n), jnp.int32),
                        sds((groups, a.n), jnp.bfloat16), sds((groups, a.n), jnp.uint8))
         weights = 128 * a.block_n  # a 128-row chunk of the tile
     else:
+        from fp8_gemv_half2 import _TILES_PER_WIDEN, fp8_gemv_half2
         from pallas_kernels.fp8_gemv import DEFAULT_TILE, FP8, fp8_gemv
-        if a.kernel == "fp8_half2":  # the candidate beside this script
-            from fp8_gemv_half2 import fp8_gemv_half2 as fp8_gemv
+        kernel = fp8_gemv_half2 if a.kernel == "fp8_half2" else fp8_gemv
         a.block_n, a.block_k = a.block_n or DEFAULT_TILE[0], a.block_k or DEFAULT_TILE[1]
         a.num_warps = a.num_warps or 4
-        lower_for_h200(functools.partial(fp8_gemv, block_n=a.block_n, block_k=a.block_k,
+        lower_for_h200(functools.partial(kernel, block_n=a.block_n, block_k=a.block_k,
                                          num_warps=a.num_warps, splits=a.splits),
                        x, sds((a.n, a.k), FP8), sds((a.n,), jnp.float32))
         weights = a.block_n * a.block_k  # a K tile
         if a.kernel == "fp8_half2":  # its loop runs several tiles an iteration
-            from fp8_gemv_half2 import _TILES_PER_WIDEN
             weights *= _TILES_PER_WIDEN
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernel.ttir"), "w") as f:

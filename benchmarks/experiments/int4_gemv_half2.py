@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from half2 import asm, pow2_scale, widen
+
 from pallas_kernels import quant_matmul
 from pallas_kernels.int4_gemv import DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, _load, _whole_splits
 from pallas_kernels.int4_gemv import default_splits
@@ -63,8 +65,6 @@ fma.rn.f16x2 $0, t1, $3, $0;
 }"""
 # $0 <- half2 $1 + $2
 _ADD_PTX = "add.rn.f16x2 $0, $1, $2;"
-# $0 <- the lo (l) or hi (h) half of half2 $1, as fp32
-_WIDEN_PTX = "{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {}; }}"
 
 
 def _pack_pairs(lo, hi, interpret):
@@ -72,14 +72,7 @@ def _pack_pairs(lo, hi, interpret):
     mode the two fp16 arrays, as _dot8's twin takes them."""
     if interpret:
         return lo.astype(jnp.float16), hi.astype(jnp.float16)
-    return _asm(_PACK_PTX, jnp.int32, "=r,f,f", lo, hi)
-
-
-def _asm(ptx, out_dtype, constraints, *args):
-    [out] = pltriton.elementwise_inline_asm(
-        ptx, args=list(args), constraints=constraints, pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, out_dtype)])
-    return out
+    return asm(_PACK_PTX, jnp.int32, "=r,f,f", lo, hi)
 
 
 def _dot8(words, pairs, part_rows, interpret):
@@ -96,12 +89,11 @@ def _dot8(words, pairs, part_rows, interpret):
             return quarters
         return [half(quarters[0] + quarters[1]), half(quarters[2] + quarters[3])]
     wide = [jnp.broadcast_to(p[:, None, None], words.shape) for p in pairs]
-    a = _asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words, wide[0], wide[1])  # rows 0, 1 | 4, 5
-    b = _asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words >> 8, wide[2], wide[3])  # 2, 3 | 6, 7
-    widen = lambda v, half: _asm(_WIDEN_PTX.format(half), jnp.float32, "=f,r", v)
+    a = asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words, wide[0], wide[1])  # rows 0, 1 | 4, 5
+    b = asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words >> 8, wide[2], wide[3])  # 2, 3 | 6, 7
     if part_rows == 32:
         return [widen(a, "l"), widen(b, "l"), widen(a, "h"), widen(b, "h")]
-    ab = _asm(_ADD_PTX, jnp.int32, "=r,r,r", a, b)
+    ab = asm(_ADD_PTX, jnp.int32, "=r,r,r", a, b)
     return [widen(ab, "l"), widen(ab, "h")]
 
 
@@ -113,9 +105,7 @@ def _row_scales(x_ref):
     for m in range(x_ref.shape[0]):
         top = jnp.max(jnp.abs(pltriton.load(x_ref.at[m, ks], mask=ks < k, other=0)
                               .astype(jnp.float32)))
-        exponent = (jax.lax.bitcast_convert_type(top, jnp.int32) >> 23) & 0xFF
-        bits = jnp.clip(127 + _X_TOP + 127 - exponent, 1, 254) << 23
-        scales.append(jax.lax.bitcast_convert_type(bits, jnp.float32))
+        scales.append(pow2_scale(top, _X_TOP))
     return scales
 
 
