@@ -89,6 +89,7 @@ def write_fp8(model_dir: str, out_dir: str) -> str:
                                 {"quant_method": "fp8", "activation_scheme": "dynamic"})
 
 
+# -- the child: every run on 4 devices ------------------------------------------------------
 def _generate(model_dir: str, runs, **common) -> dict:
     from jaxllm import LLM, SamplingParams
 

@@ -58,10 +58,10 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
     (quant.norm_linear); normalised first where the normalised x is needed whole (LoRA's
     updates, fp8_swiglu)."""
     w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
-    if norm_weight is not None and (lora is not None
-                                    or fp8_swiglu_applies(x, w_gate_up, w_down)):
+    swiglu = lora is None and fp8_swiglu_applies(x, w_gate_up, w_down)
+    if norm_weight is not None and (lora is not None or swiglu):
         x, norm_weight = rms_norm(x, norm_weight, args.rms_norm_eps), None
-    if lora is None and fp8_swiglu_applies(x, w_gate_up, w_down):
+    if swiglu:
         return fp8_swiglu(x, w_gate_up, w_down)
     gate_up = (linear(x, w_gate_up) if norm_weight is None
                else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up))
