@@ -66,10 +66,9 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
         return fp8_swiglu(x, w_gate_up, w_down)
     gate_up = (linear(x, w_gate_up) if norm_weight is None
                else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up))
-    if lora is not None:
-        gate_up = lora.add(gate_up, x, "gate_up")
     if lora is None:
         return silu_mul_linear(gate_up, w_down)
+    gate_up = lora.add(gate_up, x, "gate_up")
     hidden = silu_mul(gate_up.reshape(gate_up.shape[0], -1))
     return lora.add(linear(hidden, w_down), hidden, "down")
 
