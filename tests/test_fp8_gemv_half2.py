@@ -5,7 +5,6 @@ of x at any magnitude (the power-of-two row scale), and its CUDA lowering with t
 import functools
 import importlib.util
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,6 @@ from test_fp8_gemv import RTOL, random_inputs
 from pallas_kernels.fp8_gemv import FP8, fp8_gemv_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks", "experiments"))  # the candidates' half2.py
 _spec = importlib.util.spec_from_file_location(
     "fp8_gemv_half2", os.path.join(ROOT, "benchmarks", "experiments", "fp8_gemv_half2.py"))
 half2 = importlib.util.module_from_spec(_spec)

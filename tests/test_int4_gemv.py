@@ -1,5 +1,7 @@
-"""The W4A16 int4 GEMV: the Pallas kernel (interpret mode) against quant_matmul's reference and
-against numpy on the unpacked weights, its K splits, its checks, and its CUDA lowering."""
+"""The W4A16 int4 GEMV: the Pallas kernel in interpret mode (its inline-PTX blocks as their jnp
+twins) against numpy's exact product on the unpacked weights, within the half2 partial sums'
+roundings, and against quant_matmul's reference; x rows of any magnitude (the power-of-two row
+scale); its K splits, its checks, its CUDA lowering with the PTX, and linear's routing."""
 
 import functools
 import math
@@ -37,23 +39,26 @@ def random_inputs(seed, m, k, n, group, dtype):
 
 def check(got, args, q):
     """Element by element, against numpy's exact product on q (the scales as x's dtype holds
-    them) and against the reference (which also rounds each weight to x's dtype). Bounds: the
-    output's one rounding, the reference's weight roundings, and the fp32 sums (K roundings of
-    the terms summed; the kernel's, 16 s x (1 + q / 16) and 16 s (1 + z / 16) x, are under
-    32 s x)."""
+    them): the output's one rounding, up to four fp16 roundings in a half2 lane (each under
+    2^-11 of the lane's |n x| terms, so 2^-9 of them in all), the fp32 sums; and far from the
+    product without zero points (their share applied). Against the reference too (which
+    rounds each weight to x's dtype: one more unit a term)."""
     x, _, scales, zeros = args
     group = q.shape[0] // scales.shape[0]
     u = UNIT[x.dtype.type]
     s = np.repeat(np.asarray(scales, np.float64), group, 0)
-    w = (q - np.repeat(np.asarray(zeros, np.int64), group, 0)) * s
+    z = np.repeat(np.asarray(zeros, np.int64), group, 0)
     x64 = np.asarray(x, np.float64)
-    exact = x64 @ w
-    sums = q.shape[0] * 2.0 ** -24 * (np.abs(x64) @ (np.abs(w) + 32 * s))
+    exact = x64 @ ((q - z) * s)
+    halves = 2.0 ** -9 * (np.abs(x64) @ (q * s))
+    sums = q.shape[0] * 2.0 ** -23 * (np.abs(x64) @ ((q + z) * s))
     got64 = np.asarray(got, np.float64)
-    assert np.all(np.abs(got64 - exact) <= u * np.abs(exact) + sums)
+    assert np.all(np.abs(got64 - exact) <= u * np.abs(exact) + halves + sums)
+    assert np.max(np.abs(got64 - x64 @ (q * s))) > 10 * np.max(u * np.abs(exact) + halves + sums)
     want = np.asarray(int4_matmul_reference(*args), np.float64)
-    bound = u * (np.abs(x64) @ np.abs(w)) + u * (np.abs(got64) + np.abs(want)) + sums
-    assert np.all(np.abs(got64 - want) <= bound)
+    terms = np.abs(x64) @ np.abs((q - z) * s)
+    assert np.all(np.abs(got64 - want) <= u * (terms + np.abs(got64) + np.abs(want))
+                  + halves + sums)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -61,7 +66,7 @@ def check(got, args, q):
     (1, 128, 200, 32, dict(block_n=64)),  # one chunk of four groups; N ragged
     (3, 384, 200, 64, dict()),  # the defaults: block_n 128 over 200 columns
     (1, 1024, 200, 128, dict(splits=3)),  # 8 chunks in 3 + 3 + 2
-    (3, 1024, 96, 1024, dict(block_n=32, splits=3)),  # one group, cut by the splits
+    (2, 1024, 96, 1024, dict(block_n=32, splits=3)),  # one group, cut by the splits
     (1, 384, 200, 384, dict(block_n=256, splits=1)),  # one group, one split
     (3, 384, 72, 128, dict(block_n=16, splits=3)),  # a chunk a split
 ])
@@ -82,18 +87,36 @@ def test_a_split_count_leaving_ranges_empty_is_lowered():
 
 
 def test_default_splits():
-    """The 8B's projections at the default block_n (the H200 sweep's best tiling of each):
-    gate/up's 112 N tiles need 8 splits (4 chunks each), o's and qkv's 16 (2 chunks), down's
-    56 (2 chunks); K short of two minimum splits is never split."""
-    shapes = ((28672, 4096), (4096, 4096), (6144, 4096), (4096, 14336))
-    assert [gemv.default_splits(n, k, gemv.DEFAULT_BLOCK_N) for n, k in shapes] == [8, 16, 16, 56]
-    assert gemv.default_splits(64, 384, 64) == 1
+    """The 8B's projections at the default block_n (the H200 sweep's best splits at 128
+    columns): qkv's 48 N tiles and o's 32 take 32 splits (a chunk each), gate/up's 224 take 8,
+    down's 32 take 28 (the 32 that 1,024 programs ask for, made whole over 112 chunks); a short
+    K is never split past its chunks."""
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    assert [gemv.default_splits(n, k, gemv.DEFAULT_BLOCK_N) for n, k in shapes] == [32, 32, 8, 28]
+    assert gemv.default_splits(64, 384, 64) == 3 and gemv.default_splits(200, 128, 128) == 1
+
+
+@pytest.mark.parametrize("magnitude", [3e4, 1e-6])
+def test_rows_far_from_unit_scale_neither_overflow_nor_underflow(magnitude):
+    """Rows whose products would pass fp16's 65504 (x ~ 3e4, n up to 15) or fall under its
+    normal range (x ~ 1e-6) keep the same relative error: the row scale brings them to 2^9."""
+    args, q = random_inputs(5, 2, 256, 64, 64, jnp.float32)
+    args = (args[0] * magnitude, *args[1:])
+    check(int4_gemv(*args, interpret=True), args, q)
+
+
+@pytest.mark.parametrize("group", [16, 96])
+def test_groups_that_do_not_tile_a_chunk_are_refused(group):
+    args, _ = random_inputs(0, 1, 384, 32, group, jnp.bfloat16)
+    with pytest.raises(ValueError, match="32, 64 or a multiple of 128"):
+        int4_gemv(*args, interpret=True)
 
 
 @pytest.mark.parametrize("shapes,tiles", [
     (((1, 200), (16, 64), (2, 64), (2, 64)), {}),  # K not 8 x qweight's rows
     (((1, 256), (32, 64), (3, 64), (3, 64)), {}),  # a group that does not divide K
     (((1, 256), (32, 64), (2, 64), (2, 64)), dict(block_n=48)),
+    (((1, 256), (32, 64), (2, 64), (2, 64)), dict(block_n=8)),
     (((1, 256), (32, 64), (2, 64), (2, 64)), dict(splits=-1)),
 ])
 def test_bad_arguments_raise(shapes, tiles):

@@ -33,9 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from half2 import asm, pow2_scale, widen
-
 from pallas_kernels.fp8_gemv import DEFAULT_TILE, FP8, default_splits
+from pallas_kernels.half2 import asm, pow2_scale, widen
 
 _WORDS = 4  # int32 words a thread loads at once: 16 float8 values
 _TILES_PER_WIDEN = 4

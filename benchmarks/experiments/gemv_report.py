@@ -31,7 +31,7 @@ import sys
 
 REGS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM, SMEM_PER_SM = 65536, 64, 32, 228 * 1024
 ISSUE_PER_S = 132 * 4 * 1.98e9  # warp instructions a second, the whole H200
-BYTES_PER_WEIGHT = {"int4": 0.5, "int4_half2": 0.5, "fp8": 1.0, "fp8_half2": 1.0}
+BYTES_PER_WEIGHT = {"int4": 0.5, "fp8": 1.0, "fp8_half2": 1.0}
 
 
 def write_ttir(a) -> None:
@@ -45,10 +45,9 @@ def write_ttir(a) -> None:
     lower_for_h200, modules = lower_capturing_ttir()
     sds = jax.ShapeDtypeStruct
     x = sds((a.m, a.k), jnp.bfloat16)
-    if a.kernel in ("int4", "int4_half2"):
-        from int4_gemv_half2 import int4_gemv_half2  # the candidate beside this script
+    if a.kernel == "int4":
         from pallas_kernels.int4_gemv import DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, int4_gemv
-        kernel = int4_gemv_half2 if a.kernel == "int4_half2" else int4_gemv
+        kernel = int4_gemv
         a.block_n, a.num_warps = a.block_n or DEFAULT_BLOCK_N, a.num_warps or DEFAULT_NUM_WARPS
         groups = a.k // a.group
         lower_for_h200(functools.partial(kernel, block_n=a.block_n, num_warps=a.num_warps,
@@ -144,7 +143,7 @@ def compile_and_report(a) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kernel", choices=("int4", "int4_half2", "fp8", "fp8_half2"),
+    parser.add_argument("--kernel", choices=("int4", "fp8", "fp8_half2"),
                         default="int4")
     parser.add_argument("--m", type=int, default=1, help="rows of x")
     parser.add_argument("--k", type=int, default=4096)

@@ -8,11 +8,9 @@ tilings; every output checked against quant_matmul.int4_matmul_reference before 
 
 Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down 14336 ->
 4096; group 128, random packed weights, scales and asymmetric zero points; x bf16 [1, K].
-Variants: bf16 x @ w; int4_matmul at its defaults; int4_gemv and the half2 candidate
-(experiments/int4_gemv_half2.py) at the GEMV's defaults; the sweeps: the candidate's (first:
-block_n 128 / 256 x num_warps 4 / 8 x splits the default, half it, twice it), then the GEMV's
-(block_n 32 / 64 / 128 / 256 x num_warps 2 / 4 / 8 x splits the default, twice it, half it);
-counts that come to the same splits timed once. err: max |out - ref| / max |ref| against the
+Variants: bf16 x @ w; int4_matmul at its defaults; int4_gemv at its defaults; the GEMV's sweep
+(block_n 64 / 128 / 256 x num_warps 4 / 8 x splits the default, half it, twice it); counts that
+come to the same splits timed once. err: max |out - ref| / max |ref| against the
 reference on the same inputs (bf16: against its own fp32 product); a variant over 1e-2 is a row
 with its error, not a time.
 
@@ -47,7 +45,6 @@ import quant_linear_gpu as qlg  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from int4_gemv_half2 import int4_gemv_half2  # noqa: E402
 from pallas_kernels import int4_gemv as gemv  # noqa: E402
 from pallas_kernels import quant_matmul  # noqa: E402
 from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
@@ -55,11 +52,8 @@ from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
           "cpu": {"qkv": (256, 384), "down": (512, 200)}}
-SWEEP = {"gpu": dict(block_n=(32, 64, 128, 256), num_warps=(2, 4, 8), splits=(1, 2, 0.5)),
+SWEEP = {"gpu": dict(block_n=(64, 128, 256), num_warps=(4, 8), splits=(1, 0.5, 2)),
          "cpu": dict(block_n=(32, 64), num_warps=(4,), splits=(1, 2))}
-HALF2_SWEEP = {"gpu": dict(block_n=(128, 256), num_warps=(4, 8), splits=(1, 0.5, 2)),
-               "cpu": dict(block_n=(64,), num_warps=(4,), splits=(1,))}
-GEMVS = ("int4_gemv", "int4_gemv_half2")
 WEIGHT_SPAN = {"gpu": 256 << 20, "cpu": 0}  # bytes of weight copies a program cycles through
 GROUP = 128
 MAX_ERR = 1e-2  # bf16 output rounding is 2^-8; a broken kernel errs by far more
@@ -93,8 +87,7 @@ def projection(p: dict, interpret: bool):
         return lambda x, w: x @ w
     if p["kind"] == "int4_matmul":
         return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret)
-    kernel = int4_gemv_half2 if p["kind"] == "int4_gemv_half2" else gemv.int4_gemv
-    return lambda x, w: kernel(x, *w, interpret=interpret, **p["tiles"])
+    return lambda x, w: gemv.int4_gemv(x, *w, interpret=interpret, **p["tiles"])
 
 
 def gemv_tiles(k: int, n: int, block_n: int, num_warps: int, factor: float) -> dict:
@@ -108,15 +101,15 @@ def batches(where: str) -> list[list[dict]]:
     """The main variants of every projection, then each projection's sweep (the defaults'
     tiles left out: timed in the first batch)."""
     main = [dict(kind=kind, proj=proj, tiles={}) for proj in SHAPES[where]
-            for kind in ("bf16", "int4_matmul") + GEMVS]
+            for kind in ("bf16", "int4_matmul", "int4_gemv")]
     out = [main]
-    for kind, sweep in (("int4_gemv_half2", HALF2_SWEEP[where]), ("int4_gemv", SWEEP[where])):
-        for proj, (k, n) in SHAPES[where].items():
-            default = gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, gemv.DEFAULT_NUM_WARPS, 1)
-            tiles = {tuple(gemv_tiles(k, n, bn, nw, f).items()) for bn in sweep["block_n"]
-                     for nw in sweep["num_warps"] for f in sweep["splits"]}
-            out.append([dict(kind=kind, proj=proj, tiles=dict(t), sweep=True)
-                        for t in sorted(tiles) if dict(t) != default])
+    sweep = SWEEP[where]
+    for proj, (k, n) in SHAPES[where].items():
+        default = gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, gemv.DEFAULT_NUM_WARPS, 1)
+        tiles = {tuple(gemv_tiles(k, n, bn, nw, f).items()) for bn in sweep["block_n"]
+                 for nw in sweep["num_warps"] for f in sweep["splits"]}
+        out.append([dict(kind="int4_gemv", proj=proj, tiles=dict(t), sweep=True)
+                    for t in sorted(tiles) if dict(t) != default])
     return out
 
 
@@ -154,7 +147,7 @@ def row(p: dict, times: dict, index: int, copy_bps: float, shapes: dict) -> dict
     k, n = shapes[p["proj"]]
     base = {"kind": p["kind"], "proj": p["proj"], "k": k, "n": n, **p["tiles"],
             "sweep": p.get("sweep", False)}
-    if p["kind"] in GEMVS and not p["tiles"]:
+    if p["kind"] == "int4_gemv" and not p["tiles"]:
         base.update(defaults=True, **gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, gemv.DEFAULT_NUM_WARPS, 1))
     if "error" in p:
         return {**base, "error": p["error"]}
@@ -176,9 +169,7 @@ def tables(rows: list[dict], shapes: dict) -> str:
     picks = {"bf16": lambda r: r["kind"] == "bf16",
              "int4_matmul": lambda r: r["kind"] == "int4_matmul",
              "gemv defaults": lambda r: r["kind"] == "int4_gemv" and r.get("defaults", False),
-             "gemv best": lambda r: r["kind"] == "int4_gemv",
-             "half2 defaults": lambda r: r["kind"] == "int4_gemv_half2" and r.get("defaults"),
-             "half2 best": lambda r: r["kind"] == "int4_gemv_half2"}
+             "gemv best": lambda r: r["kind"] == "int4_gemv"}
     lines = ["| proj | " + " | ".join(f"{name} us (% floor)" for name in picks) + " |",
              "|" + " --- |" * (1 + len(picks))]
     best, layer = {}, {name: [] for name in picks}
