@@ -7,9 +7,6 @@ channel, the weights widened in registers and x never quantised.
   ->     [M, N]  in x's dtype: y[m, n] = scale[n] * sum_k x[m, k] * values[n, k], fp32 math
   norm_weight [K] (optional, x's dtype): x is first RMS-normalised (`rms_norm_reference`, a
                  decoder's input norm), so the norm costs no kernel of its own
-  silu_mul (optional): x is [M, 2K], a SwiGLU's gate | up, and the product takes
-                 silu(gate) * up (`silu_mul_reference`) as it loads x: the down projection's
-                 activation costs no kernel of its own either
 
 With few rows the product is a weight read: each weight is used M times, so the work is to
 stream `values` at HBM bandwidth and to spend few instructions per weight byte.
@@ -55,24 +52,12 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
     return weight * x32.astype(x.dtype)
 
 
-def silu_mul_reference(gate_up: jax.Array) -> jax.Array:
-    """gate_up [..., 2K] -> silu(gate) * up [..., K] in its dtype (a SwiGLU's activation):
-    silu in fp32, rounded once (as torch's silu), then the product rounded once."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    gate32 = gate.astype(jnp.float32)
-    return (gate32 / (1.0 + jnp.exp(-gate32))).astype(gate.dtype) * up
-
-
 def fp8_gemv_reference(x: jax.Array, values: jax.Array, scale: jax.Array,
-                       norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                       silu_mul: bool = False) -> jax.Array:
-    """The module's contract in jnp: x [M, K] (RMS-normalised first, given norm_weight; x
-    [M, 2K] taken as silu_mul_reference(x), given silu_mul) @ values [N, K].T * scale [N] ->
-    [M, N] in x's dtype, every product and sum in fp32."""
+                       norm_weight: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+    """The module's contract in jnp: x [M, K] (RMS-normalised first, given norm_weight) @
+    values [N, K].T * scale [N] -> [M, N] in x's dtype, every product and sum in fp32."""
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps)
-    if silu_mul:
-        x = silu_mul_reference(x)
     y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), values.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -106,24 +91,19 @@ def _norm_factors(x_ref, eps):
     return factors
 
 
-def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps, silu_mul):
+def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps):
     """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores.
     refs: (norm_weight [K], o_ref) with a norm (eps not None), else (o_ref,)."""
     *norm_ref, o_ref = refs
-    num_rows, k_total = x_ref.shape[0], v_ref.shape[1]
+    num_rows, k_total = x_ref.shape
     cols, col_ok, split, first, last = _tiles(v_ref, block_n, block_k, steps_per_split)
     groups = block_k // _VECTOR
     lanes = (jnp.arange(groups, dtype=jnp.int32)[:, None] * _VECTOR
              + jnp.arange(_VECTOR, dtype=jnp.int32)[None, :])  # [G, 16]
     factors = _norm_factors(x_ref, eps) if norm_ref else None
 
-    def x_tile(m, ks, k_ok):  # x[m, ks] (normalised, or silu(gate) * up) as fp32
+    def x_tile(m, ks, k_ok):  # x[m, ks] (normalised, with a norm) as fp32
         xm = pltriton.load(x_ref.at[m, ks], mask=k_ok, other=0)
-        if silu_mul:  # the unfused activation's two roundings to x's dtype
-            up = pltriton.load(x_ref.at[m, ks + k_total], mask=k_ok, other=0)
-            gate = xm.astype(jnp.float32)
-            xm = (gate / (1.0 + jnp.exp(-gate))).astype(xm.dtype)
-            xm = (xm.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype)
         if factors is not None:  # the unfused norm's two roundings to x's dtype
             xm = (xm.astype(jnp.float32) * factors[m]).astype(xm.dtype)
             weight = pltriton.load(norm_ref[0].at[ks], mask=k_ok, other=0)
@@ -153,23 +133,20 @@ def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     return pl.cdiv(steps, pl.cdiv(steps, splits))  # no split left empty
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "silu_mul", "block_n", "block_k",
-                                             "num_warps", "num_stages", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "block_n", "block_k", "num_warps",
+                                             "num_stages", "splits", "interpret"))
 def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
-             norm_weight: jax.Array | None = None, *, eps: float = 1e-6, silu_mul: bool = False,
+             norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
              block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
              num_stages: int = 3, splits: int | None = None,
              interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. block_n (channels a
     program) and block_k (the K tile) are powers of two; num_stages: the K loop's pipeline
     depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits."""
-    (m, k_x), (n, k) = x.shape, values.shape
-    if k_x != (2 * k if silu_mul else k) or scale.shape != (n,) or values.dtype != FP8:
-        x_want = "[M, 2K] (gate | up)" if silu_mul else "[M, K]"
+    (m, k), (n, k_values) = x.shape, values.shape
+    if k != k_values or scale.shape != (n,) or values.dtype != FP8:
         raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}, scale "
-                         f"{scale.shape}: want {x_want}, [N, K] float8_e4m3fn, [N]")
-    if silu_mul and norm_weight is not None:
-        raise ValueError("norm_weight and silu_mul: one prologue at a time")
+                         f"{scale.shape}: want [M, K], [N, K] float8_e4m3fn, [N]")
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype):
         raise ValueError(f"norm_weight {norm_weight.shape} {norm_weight.dtype}: want [{k}] "
                          f"{x.dtype}, x's dtype")
@@ -186,7 +163,7 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
     out = pl.pallas_call(
         functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
                           steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits),
-                          eps=eps if norm else None, silu_mul=silu_mul),
+                          eps=eps if norm else None),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

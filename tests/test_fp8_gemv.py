@@ -1,8 +1,7 @@
 """The W8A16 FP8 GEMV: the Pallas kernel (interpret mode) against the jnp reference, the
-reference against numpy (ml_dtypes' float8), the input norm and the SwiGLU activation as its
-prologues, quant.linear's, norm_linear's and silu_mul_linear's routing (few tokens to the GEMV,
-more to W8A8, one device only), the CUDA lowering of the kernel and of linear's GPU path, and
-gemv_report.py's lowering step."""
+reference against numpy (ml_dtypes' float8), the input norm as its prologue, quant.linear's and
+norm_linear's routing (few tokens to the GEMV, more to W8A8, one device only), the CUDA lowering
+of the kernel and of linear's GPU path, and gemv_report.py's lowering step."""
 
 import functools
 import os
@@ -95,50 +94,6 @@ def test_norm_weight_must_match_x():
         fp8_gemv(x, values, scale, jnp.ones((64,), jnp.float32), interpret=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("m,n,k,tiles", [
-    (1, 200, 300, dict(block_n=32, block_k=64)),  # K ragged: up's loads offset by K, masked
-    (3, 70, 1000, dict(block_n=16, block_k=128, splits=3)),
-    (1, 96, 512, dict()),
-])
-def test_silu_mul_prologue_matches_activation_then_gemv(m, n, k, tiles, dtype):
-    """With silu_mul the kernel takes x [M, 2K] as gate | up: against the reference on
-    silu(gate) * up (gates on both sides of 0, so silu's shape matters), and not against the
-    GEMV of the gate or the up half alone."""
-    x, values, scale = random_inputs(5 * m + n + k, m, n, 2 * k, dtype)
-    values = values[:, :k]
-    got = fp8_gemv(x, values, scale, silu_mul=True, interpret=True, **tiles)
-    assert got.shape == (m, n) and got.dtype == dtype
-    hidden = gemv.silu_mul_reference(x)
-    assert_close(got, hidden, values, scale)
-    np.testing.assert_array_equal(
-        np.asarray(fp8_gemv_reference(x, values, scale, silu_mul=True), np.float32),
-        np.asarray(fp8_gemv_reference(hidden, values, scale), np.float32))
-    for half in (x[:, :k], x[:, k:]):
-        plain = np.asarray(fp8_gemv_reference(half, values, scale), np.float32)
-        assert np.max(np.abs(np.asarray(got, np.float32) - plain)) > 0.3 * np.max(np.abs(plain))
-
-
-def test_silu_mul_reference_matches_numpy():
-    """silu in fp32 rounded once, then the product rounded once (bf16)."""
-    gate_up = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32) * 4
-    x = jnp.asarray(gate_up, jnp.bfloat16)
-    g, u = np.asarray(x, np.float32)[:, :32], np.asarray(x, np.float32)[:, 32:]
-    silu = (g / (1 + np.exp(-g))).astype(ml_dtypes.bfloat16).astype(np.float32)
-    want = (silu * u).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(np.asarray(gemv.silu_mul_reference(x)), want)
-
-
-def test_prologue_inputs_are_checked():
-    x, values, scale = random_inputs(0, 1, 32, 64)
-    with pytest.raises(ValueError, match="gate | up"):
-        fp8_gemv(x, values, scale, silu_mul=True, interpret=True)
-    x2 = jnp.concatenate([x, x], axis=1)
-    with pytest.raises(ValueError, match="one prologue"):
-        fp8_gemv(x2, values, scale, jnp.ones((64,), jnp.bfloat16), silu_mul=True,
-                 interpret=True)
-
-
 def test_default_splits():
     """The 8B's projections (gate/up, o, down, qkv) at the default tiles: gate/up's N tiles
     need no split, o's and down's get the most; a short K is never split below four K tiles a
@@ -206,32 +161,10 @@ def test_dense_mlp_few_tokens_runs_both_projections_through_the_gemv(gemv_calls)
     x, w_gate_up = projection(GEMV_MAX_TOKENS, out=(2, 48), k=64)
     _, w_down = projection(GEMV_MAX_TOKENS, out=(64,), k=48)
     got = dense_mlp({"w_gate_up": w_gate_up, "w_down": w_down}, x, None)
-    assert gemv_calls == [(GEMV_MAX_TOKENS, 64), (GEMV_MAX_TOKENS, 96)]  # down: gate | up
+    assert gemv_calls == [(GEMV_MAX_TOKENS, 64), (GEMV_MAX_TOKENS, 48)]
     gate_up = gemv_of(x, w_gate_up)
-    want = gemv_of(gemv.silu_mul_reference(gate_up.reshape(GEMV_MAX_TOKENS, -1)), w_down)
+    want = gemv_of(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-def test_silu_mul_linear_takes_the_activation_into_the_gemv(gemv_calls):
-    """One token and an FP8 weight: silu_mul_linear is one GEMV call on gate | up, equal to the
-    activation then linear; more tokens, or a plain weight, run the activation apart."""
-    _, w = projection(GEMV_MAX_TOKENS, out=(64,), k=48)
-    rng = np.random.default_rng(3)
-    gate_up = jnp.asarray(rng.standard_normal((GEMV_MAX_TOKENS, 2, 48)) * 3, jnp.bfloat16)
-    got = quant.silu_mul_linear(gate_up, w)
-    assert gemv_calls == [(GEMV_MAX_TOKENS, 96)]
-    want = linear(quant.silu_mul(gate_up.reshape(GEMV_MAX_TOKENS, -1)), w)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    gemv_calls.clear()
-    more = jnp.concatenate([gate_up, gate_up], axis=0)
-    np.testing.assert_array_equal(
-        np.asarray(quant.silu_mul_linear(more, w)),
-        np.asarray(linear(quant.silu_mul(more.reshape(more.shape[0], -1)), w)))
-    assert not gemv_calls
-    plain = dequantize(w, jnp.bfloat16)
-    np.testing.assert_array_equal(
-        np.asarray(quant.silu_mul_linear(gate_up, plain)),
-        np.asarray(linear(quant.silu_mul(gate_up.reshape(GEMV_MAX_TOKENS, -1)), plain)))
 
 
 def test_norm_linear_takes_the_norm_into_the_gemv(gemv_calls):
@@ -254,10 +187,10 @@ def test_norm_linear_takes_the_norm_into_the_gemv(gemv_calls):
                                   np.asarray(linear(quant.rms_norm(x, weight, 1e-5), plain)))
 
 
-def test_one_token_fp8_forward_runs_the_prologues_inside_the_gemvs(monkeypatch):
+def test_one_token_fp8_forward_norms_inside_the_gemvs(monkeypatch):
     """A tiny FP8 Llama's one-token step: every layer's qkv and gate/up GEMVs take their input
-    norm, down its SwiGLU activation (o none), and the logits equal those of the same step with
-    both run apart (random norm weights, so a norm dropped or applied twice would show)."""
+    norm (o and down none), and the logits equal those of the same step with the norms run
+    apart (random norm weights, so a norm dropped or applied twice would show)."""
     from jaxllm.loader.dummy import dummy_params
     from jaxllm.models import layers, transformer
     from jaxllm.models.args import ModelArgs
@@ -279,23 +212,21 @@ def test_one_token_fp8_forward_runs_the_prologues_inside_the_gemvs(monkeypatch):
     batch = StepBatch(token_ids=i32(17), positions=i32(5), slot_mapping=i32(13),
                       block_tables=i32([1, 2]), cu_q_lens=i32(0, 1), kv_lens=i32(6),
                       num_seqs=i32(1), logits_indices=i32(0))
-    prologues = []
+    norms = []
     real = gemv.fp8_gemv_reference
 
-    def recorded(x, values, scale, norm_weight=None, eps=1e-6, silu_mul=False):
-        prologues.append("norm" if norm_weight is not None else "silu" if silu_mul else None)
-        return real(x, values, scale, norm_weight, eps, silu_mul)
+    def recorded(x, values, scale, norm_weight=None, eps=1e-6):
+        norms.append(norm_weight is not None)
+        return real(x, values, scale, norm_weight, eps)
     monkeypatch.setattr(gemv, "fp8_gemv_reference", recorded)
     fused, _ = transformer.forward(params, cache, batch, args=args)
-    assert prologues == ["norm", None, "norm", "silu"] * 2  # qkv, o, gate/up, down
+    assert norms == [True, False, True, False] * 2  # qkv, o, gate/up, down
     apart = lambda x, weight, eps, w: linear(quant.rms_norm(x, weight, eps), w)
     monkeypatch.setattr(transformer, "norm_linear", apart)
     monkeypatch.setattr(layers, "norm_linear", apart)
-    monkeypatch.setattr(layers, "silu_mul_linear", lambda gate_up, w: linear(
-        quant.silu_mul(gate_up.reshape(gate_up.shape[0], -1)), w))
-    prologues.clear()
+    norms.clear()
     want, _ = transformer.forward(params, cache, batch, args=args)
-    assert prologues == [None] * 8
+    assert norms == [False] * 8
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(want))
 
 
@@ -330,10 +261,6 @@ def test_kernel_lowers_for_cuda():
     text = lower_for_h200(functools.partial(fp8_gemv, eps=1e-5), sds((1, 4096), jnp.bfloat16),
                           sds((28672, 4096), FP8), sds((28672,), jnp.float32),
                           sds((4096,), jnp.bfloat16))
-    assert "fp8_gemv" in text and "triton" in text
-    text = lower_for_h200(functools.partial(fp8_gemv, silu_mul=True),
-                          sds((1, 28672), jnp.bfloat16), sds((4096, 14336), FP8),
-                          sds((4096,), jnp.float32))
     assert "fp8_gemv" in text and "triton" in text
 
 

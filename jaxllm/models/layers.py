@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.args import ModelArgs
-from jaxllm.models.quant import (fp8_swiglu, fp8_swiglu_applies, linear, norm_linear, rms_norm,
-                                 silu_mul, silu_mul_linear)
+from jaxllm.models.quant import fp8_swiglu, fp8_swiglu_applies, linear, norm_linear, rms_norm
 
 
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
@@ -66,11 +65,11 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
         return fp8_swiglu(x, w_gate_up, w_down)
     gate_up = (linear(x, w_gate_up) if norm_weight is None
                else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up))
-    if lora is None:
-        return silu_mul_linear(gate_up, w_down)
-    gate_up = lora.add(gate_up, x, "gate_up")
-    hidden = silu_mul(gate_up.reshape(gate_up.shape[0], -1))
-    return lora.add(linear(hidden, w_down), hidden, "down")
+    if lora is not None:
+        gate_up = lora.add(gate_up, x, "gate_up")
+    hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    down = linear(hidden, w_down)
+    return down if lora is None else lora.add(down, hidden, "down")
 
 
 def dense_mlp_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

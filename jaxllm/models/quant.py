@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import fp8_gemv, int4_gemv, quant_matmul, silu_mul_fp8
-from pallas_kernels.fp8_gemv import rms_norm_reference as rms_norm, silu_mul_reference as silu_mul
+from pallas_kernels.fp8_gemv import rms_norm_reference as rms_norm
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
@@ -133,16 +133,16 @@ def has_gemv_weights(params) -> bool:
 
 
 def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight: jax.Array | None = None,
-              eps: float = 0.0, silu_mul: bool = False) -> jax.Array:
+              eps: float = 0.0) -> jax.Array:
     """x [T, K] @ w -> [T, *out] by the GEMV kernel (its reference off the GPU), w's output
     axes flattened (free on one device); given norm_weight, x RMS-normalised first, in the
-    kernel; with silu_mul, x [T, 2K] is a SwiGLU's gate | up, activated in the kernel."""
+    kernel."""
     out_shape = w.values.shape[:-1]
     values, scale = w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1)
     if jax.default_backend() == "gpu":
-        y = fp8_gemv.fp8_gemv(x, values, scale, norm_weight, eps=eps, silu_mul=silu_mul)
+        y = fp8_gemv.fp8_gemv(x, values, scale, norm_weight, eps=eps)
     else:
-        y = fp8_gemv.fp8_gemv_reference(x, values, scale, norm_weight, eps, silu_mul)
+        y = fp8_gemv.fp8_gemv_reference(x, values, scale, norm_weight, eps)
     return y.reshape(x.shape[0], *out_shape)
 
 
@@ -152,15 +152,6 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w) -> jax.Arra
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x) and norm_weight.dtype == x.dtype:
         return _fp8_gemv(x, w, norm_weight, eps)
     return linear(rms_norm(x, norm_weight, eps), w)
-
-
-def silu_mul_linear(gate_up: jax.Array, w) -> jax.Array:
-    """linear(silu(gate) * up, w) for gate_up [T, 2, I]: where the FP8 GEMV runs, the
-    activation is its prologue (one kernel, not three: the activation's two, then the GEMV)."""
-    gate_up = gate_up.reshape(gate_up.shape[0], -1)  # [T, 2I]: gate | up
-    if isinstance(w, Fp8Weight) and fp8_gemv_applies(gate_up):
-        return _fp8_gemv(gate_up, w, silu_mul=True)
-    return linear(silu_mul(gate_up), w)
 
 
 def _fp8_dot(xq: jax.Array, w: Fp8Weight, dtype) -> jax.Array:
