@@ -52,11 +52,12 @@ from pallas_kernels.half2 import asm, pow2_scale, widen
 from pallas_kernels.quant_matmul import CHUNK_ROWS
 
 _SLICE = 16  # a chunk's rows per nibble: the words tile's rows
-# Tiles from the H200 sweep (experiments/int4_gemv_gpu.py): 256 columns at 4 warps, and one
-# 128-row chunk a program (as many programs as can stream at once), on each of the 8B's
+# Tiles from the H200 sweep (experiments/int4_gemv_gpu.py): 128 columns at 4 warps, and K cut
+# short enough that about _TARGET_PROGRAMS programs stream at once, on each of the 8B's
 # projections.
-DEFAULT_BLOCK_N = 256
+DEFAULT_BLOCK_N = 128
 DEFAULT_NUM_WARPS = 4
+_TARGET_PROGRAMS = 1024
 # SUB: Triton fills a warp along N first (4 words a thread), then the rows: 8 columns a warp
 # leave one of the 16 rows a thread
 _SUB_N_PER_WARP = 8
@@ -192,11 +193,13 @@ def _whole_splits(chunks: int, splits: int) -> int:
     return pl.cdiv(chunks, pl.cdiv(chunks, splits))
 
 
-def default_splits(k: int) -> int:
-    """One K split a chunk: each program streams one [128, block_n] slice, so that a GEMV's few
-    N tiles still fill every SM many times over (the fp32 partials are M x N a split: small
-    beside the weights)."""
-    return k // CHUNK_ROWS
+def default_splits(n: int, k: int, block_n: int) -> int:
+    """K splits bringing the programs to about _TARGET_PROGRAMS (a power of two of them per N
+    tile, so that K's chunks divide evenly where they can), made whole: many short K ranges keep
+    every SM streaming, where a GEMV's few N tiles alone would leave most idle."""
+    chunks = k // CHUNK_ROWS
+    splits = pl.next_power_of_2(pl.cdiv(_TARGET_PROGRAMS, pl.cdiv(n, block_n)))
+    return _whole_splits(chunks, min(splits, chunks))
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "splits", "num_warps", "num_stages",
@@ -218,7 +221,7 @@ def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Ar
         raise ValueError(f"block_n {block_n}: a power of two, at least {_SLICE}; splits "
                          f"{splits}: at least 1")
     chunks = k // CHUNK_ROWS
-    splits = _whole_splits(chunks, splits or default_splits(k))
+    splits = _whole_splits(chunks, splits or default_splits(n, k, block_n))
     out = pl.pallas_call(
         functools.partial(_kernel, group=group, block_n=block_n,
                           sub_n=min(block_n, _SUB_N_PER_WARP * num_warps),

@@ -64,7 +64,7 @@ def check(got, args, q):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m,k,n,group,tiles", [
     (1, 128, 200, 32, dict(block_n=64)),  # one chunk of four groups; N ragged
-    (3, 384, 200, 64, dict()),  # the defaults: block_n 256 over 200 columns
+    (3, 384, 200, 64, dict()),  # the defaults: block_n 128 over 200 columns
     (1, 1024, 200, 128, dict(splits=3)),  # 8 chunks in 3 + 3 + 2
     (2, 1024, 96, 1024, dict(block_n=32, splits=3)),  # one group, cut by the splits
     (1, 384, 200, 384, dict(block_n=256, splits=1)),  # one group, one split
@@ -87,9 +87,13 @@ def test_a_split_count_leaving_ranges_empty_is_lowered():
 
 
 def test_default_splits():
-    """One split a 128-row chunk (the H200 sweep's best at 256 columns on the 8B's
-    projections): 32 for K = 4096, 112 for down's 14336."""
-    assert [gemv.default_splits(k) for k in (4096, 14336, 128)] == [32, 112, 1]
+    """The 8B's projections at the default block_n (the H200 sweep's best splits at 128
+    columns): qkv's 48 N tiles and o's 32 take 32 splits (a chunk each), gate/up's 224 take 8,
+    down's 32 take 28 (the 32 that 1,024 programs ask for, made whole over 112 chunks); a short
+    K is never split past its chunks."""
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    assert [gemv.default_splits(n, k, gemv.DEFAULT_BLOCK_N) for n, k in shapes] == [32, 32, 8, 28]
+    assert gemv.default_splits(64, 384, 64) == 3 and gemv.default_splits(200, 128, 128) == 1
 
 
 @pytest.mark.parametrize("magnitude", [3e4, 1e-6])

@@ -9,7 +9,7 @@ tilings; every output checked against quant_matmul.int4_matmul_reference before 
 Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down 14336 ->
 4096; group 128, random packed weights, scales and asymmetric zero points; x bf16 [1, K].
 Variants: bf16 x @ w; int4_matmul at its defaults; int4_gemv at its defaults; the GEMV's sweep
-(block_n 64 / 128 / 256 x num_warps 4 / 8 x splits the default, a half, a quarter); counts that
+(block_n 64 / 128 / 256 x num_warps 4 / 8 x splits the default, half it, twice it); counts that
 come to the same splits timed once. err: max |out - ref| / max |ref| against the
 reference on the same inputs (bf16: against its own fp32 product); a variant over 1e-2 is a row
 with its error, not a time.
@@ -52,7 +52,7 @@ from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
           "cpu": {"qkv": (256, 384), "down": (512, 200)}}
-SWEEP = {"gpu": dict(block_n=(64, 128, 256), num_warps=(4, 8), splits=(1, 0.5, 0.25)),
+SWEEP = {"gpu": dict(block_n=(64, 128, 256), num_warps=(4, 8), splits=(1, 0.5, 2)),
          "cpu": dict(block_n=(32, 64), num_warps=(4,), splits=(1, 2))}
 WEIGHT_SPAN = {"gpu": 256 << 20, "cpu": 0}  # bytes of weight copies a program cycles through
 GROUP = 128
@@ -92,7 +92,7 @@ def projection(p: dict, interpret: bool):
 
 def gemv_tiles(k: int, n: int, block_n: int, num_warps: int, factor: float) -> dict:
     """The sweep's tiles, splits as the kernel will run them (the default times factor)."""
-    splits = max(1, round(gemv.default_splits(k) * factor))
+    splits = max(1, round(gemv.default_splits(n, k, block_n) * factor))
     return dict(block_n=block_n, num_warps=num_warps,
                 splits=gemv._whole_splits(k // quant_matmul.CHUNK_ROWS, splits))
 
