@@ -185,6 +185,50 @@ def test_no_compilation_after_warmup(async_scheduling, lean_steps, tiny_llama_di
     assert_all_blocks_free(llm)
 
 
+def test_step_buckets():
+    from jaxllm.worker.model_runner import step_buckets
+
+    assert step_buckets(64, 4, one_token=False, decode=False) == [16, 32, 64]
+    assert step_buckets(64, 4, one_token=False, decode=True) == [4, 16, 32, 64]
+    assert step_buckets(64, 4, one_token=True, decode=True) == [1, 4, 16, 32, 64]
+    assert step_buckets(64, 1, one_token=True, decode=True) == [1, 16, 32, 64]
+    assert step_buckets(64, 16, one_token=False, decode=True) == [16, 32, 64]
+    assert step_buckets(8, 4, one_token=False, decode=True) == [4, 8]
+
+
+def test_decode_bucket_takes_the_decode_steps(tiny_llama_dir, monkeypatch):
+    """The decode bucket (a GPU's default; forced here): with max_num_seqs 4 a step of four
+    decodes runs in a 4-token bucket, prompts in the larger ones; the warm-up compiles it, so
+    nothing compiles while generating, and the greedy tokens equal those of an engine
+    without it."""
+    import functools
+
+    from jaxllm.engine import builder
+    from jaxllm.worker.model_runner import ModelRunner
+
+    prompts = random_prompts(31, 6, 300, lengths=(2, 30))
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=32)
+    want = make_llm(tiny_llama_dir, enforce_eager=True, **kw).generate(
+        prompts, greedy(12), use_tqdm=False)
+    monkeypatch.setattr(builder, "ModelRunner", functools.partial(ModelRunner, decode_bucket=True))
+    llm = make_llm(tiny_llama_dir, **kw)
+    runner = llm.llm_engine.runner
+    assert runner.buckets == [4, 16, 32]
+    bucket_for, used = runner.bucket_for, []
+    runner.bucket_for = lambda n: used.append((n, bucket_for(n)[0])) or bucket_for(n)
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        got = llm.generate(prompts, greedy(12), use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    assert counter.count == 0, f"{counter.count} compilations after warm-up"
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert (4, 4) in used and any(bucket > 4 for _, bucket in used)
+    assert all(bucket == 4 for n, bucket in used if n <= 4)
+    assert_all_blocks_free(llm)
+
+
 def test_lean_steps_generate_what_cond_steps_generate(tiny_llama_dir):
     """The cond-free programs (and prompt logprobs after the step) against the one program
     with conds: the same tokens, logprobs and prompt logprobs. PLAIN leaves the penalty state

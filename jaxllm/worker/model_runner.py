@@ -56,6 +56,19 @@ def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int
     return buckets + [max_num_batched_tokens]
 
 
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, *, one_token: bool,
+                 decode: bool) -> list[int]:
+    """token_buckets, with below them, given one_token, a one-token bucket and, given decode, a
+    bucket of max_num_seqs tokens where that is fewer than the smallest: a decode step of every
+    sequence then fits a bucket no larger than its rows, which attention runs with its decode
+    kernel (a larger bucket on so few rows may hold a prefill, and takes the prefill kernel)."""
+    buckets = token_buckets(max_num_batched_tokens)
+    below = {1} if one_token else set()
+    if decode and max_num_seqs < buckets[0]:
+        below.add(max_num_seqs)
+    return sorted(below | set(buckets))
+
+
 # (chosen token's logprob, its rank, top ids, top logprobs)
 LogprobEntry = tuple[float, int, list[int], list[float]]
 
@@ -126,7 +139,8 @@ class ModelRunner:
                  dp_size: int = 1, lean_steps: bool | None = None, num_spec_tokens: int = 0,
                  max_spec_seqs: int = 0, pipeline: Pipeline | None = None,
                  lora_slots: LoRASlots | None = None,
-                 drafter: Drafter | None = None, one_token_bucket: bool = False) -> None:
+                 drafter: Drafter | None = None, one_token_bucket: bool = False,
+                 decode_bucket: bool | None = None) -> None:
         """dp_size > 1: DP attention, one step for dp_size ranks (max_num_seqs each) whose
         SchedulerOutputs come in one DPSchedulerOutput; the KV cache holds every rank's pool.
 
@@ -152,7 +166,10 @@ class ModelRunner:
         speculate (fewer than max_spec_seqs + 1 sequences).
 
         one_token_bucket: a bucket of one token below the others, for a model whose step costs
-        less with one row than with 16 (FP8 weights' GEMV, models/quant.py)."""
+        less with one row than with 16 (FP8 weights' GEMV, models/quant.py).
+
+        decode_bucket (default: on a GPU): with max_num_seqs under the smallest token bucket,
+        a bucket of max_num_seqs tokens for decode steps (step_buckets)."""
         self.pipeline = pipeline
         self.lora = lora_slots
         self.params = params if lora_slots is None else lora_slots.with_stacks(params)
@@ -160,7 +177,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.dp_size = dp_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = [1] * one_token_bucket + token_buckets(max_num_batched_tokens)
+        self.buckets = step_buckets(
+            max_num_batched_tokens, max_num_seqs, one_token=one_token_bucket,
+            decode=jax.default_backend() == "gpu" if decode_bucket is None else decode_bucket)
         num_rows = dp_size * max_num_seqs  # penalty rows of every rank's sequences
         # Its own jit, so that tracing it once per bucket serves every program of the bucket.
         self.model = StepModel(jax.jit(model_fn, static_argnames=("return_hidden",)),
