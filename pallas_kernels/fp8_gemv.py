@@ -19,8 +19,8 @@ x's rows, re-read per tile (M * K elements, small beside the weights), stay cach
 each row m of x (a static loop), multiplied by x[m]'s slice and summed over its groups' 16
 lanes, all within the thread; the sums over groups wait for the loop's end (no shuffle per
 tile). M FMAs per weight, on the CUDA cores: a kernel for one row (decode at batch 1). With
-more rows the tensor cores (cuBLAS's W8A8 GEMM) are faster (benchmarks/experiments/
-fp8_gemv_gpu.py), and a dot with x as a 16-row operand was slower than cuBLAS too.
+more rows the tensor cores (cuBLAS's W8A8 GEMM) are faster (benchmarks/quant_linear_gpu.py),
+and a dot with x as a 16-row operand was slower than cuBLAS too.
 
 When N / block_n tiles are too few to keep every SM streaming (an o projection: N = 4096), K is
 split into `splits` ranges whose fp32 partial products the wrapper sums (deterministic, no

@@ -52,7 +52,7 @@ from pallas_kernels.half2 import asm, pow2_scale, widen
 from pallas_kernels.quant_matmul import CHUNK_ROWS
 
 _SLICE = 16  # a chunk's rows per nibble: the words tile's rows
-# Tiles from the H200 sweep (experiments/int4_gemv_gpu.py): 128 columns at 4 warps, and K cut
+# Tiles from the H200 sweep (experiments/gemv_gpu.py): 128 columns at 4 warps, and K cut
 # short enough that about _TARGET_PROGRAMS programs stream at once, on each of the 8B's
 # projections.
 DEFAULT_BLOCK_N = 128

@@ -1,7 +1,7 @@
 """A candidate W8A16 FP8 GEMV with fewer instructions a weight: float8 pairs widened to packed
 half2 in one instruction and multiplied by x in half2 (inline PTX), the half2 sums widened to
 fp32 every few K tiles. Not the product's kernel until an H200 run times it
-(`fp8_gemv_gpu.py` times it as `half2`); `pallas_kernels/fp8_gemv.py` has the contract and
+(`gemv_gpu.py --weights fp8` times it as `fp8_half2`); `pallas_kernels/fp8_gemv.py` has the contract and
 the reference.
 
 Why: the product's GEMV widens each weight to fp32 (a conversion to half2 a pair, then one to

@@ -1,33 +1,41 @@
-"""One GPU call, ~2 minutes: the W4A16 int4 GEMV (pallas_kernels/int4_gemv.py) at one token
-against the bf16 dot and the int4 product kernel (quant_matmul.int4_matmul: one row padded to
-a 16-row tensor-core tile), on Llama-3.1-8B's four projections, with a sweep of the GEMV's
-tilings; every output checked against quant_matmul.int4_matmul_reference before it is timed.
+"""One GPU call, ~2 minutes a kind: a one-token GEMV at its defaults against the bf16 dot, on
+Llama-3.1-8B's four projections, with a sweep of a kernel's tilings; every output checked
+against its reference first.
 
-    python benchmarks/experiments/int4_gemv_gpu.py --out DIR [--budget-s 120]
-    python benchmarks/experiments/int4_gemv_gpu.py --out DIR --cpu   # tiny shapes, interpreted
+    python benchmarks/experiments/gemv_gpu.py --weights int4|fp8 --out DIR [--budget-s 120]
+    python benchmarks/experiments/gemv_gpu.py --weights int4|fp8 --out DIR --cpu  # tiny, interpreted
 
 Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down 14336 ->
-4096; group 128, random packed weights, scales and asymmetric zero points; x bf16 [1, K].
-Variants: bf16 x @ w; int4_matmul at its defaults; int4_gemv at its defaults; the GEMV's sweep
-(block_n 64 / 128 / 256 x num_warps 4 / 8 x splits the default, half it, twice it); counts that
-come to the same splits timed once. err: max |out - ref| / max |ref| against the
+4096; x bf16 [1, K].
+- int4: the W4A16 GEMV (pallas_kernels/int4_gemv.py) and the tensor-core product kernel
+  (quant_matmul.int4_matmul: one row padded to a 16-row tile) on random packed weights, group
+  128, scales over a decade, asymmetric zero points; the GEMV's sweep: block_n 64 / 128 / 256 x
+  num_warps 4 / 8 x splits the default, half it, twice it. Reference:
+  quant_matmul.int4_matmul_reference.
+- fp8: the W8A16 GEMV (pallas_kernels/fp8_gemv.py), also with the input RMSNorm as its prologue
+  on qkv and gate/up (as the engine runs them), and the half2 candidate
+  (experiments/fp8_gemv_half2.py); the candidate's sweep: block_n 32 / 64 x block_k 256 / 512 x
+  num_warps 4 / 8 x splits the default, twice it. Reference: fp8_gemv.fp8_gemv_reference.
+Counts that come to the same splits are timed once. err: max |out - ref| / max |ref| against the
 reference on the same inputs (bf16: against its own fp32 product); a variant over 1e-2 is a row
 with its error, not a time.
 
 Timing as benchmarks/quant_linear_gpu.py (its chain, trace_runs and run_times): a jitted program
 calls the projection once on each of several weight copies (over 256 MiB together, so each call
 reads HBM, not L2), each call waiting for the last; GPU kernel durations from a profiler trace,
-summed per call (the split's sum of partials included), the median over runs. % floor: the
-weight bytes (packed weights, scales, zeros; bf16: the matrix) over the measured copy bandwidth,
-over the time. Programs compile in threads, a batch at a time (the main variants, then the sweep
-one projection at a time); a batch that would start past --budget-s is left out as `skipped`
-rows. DIR gets int4_gemv.json; the tables (per projection and the layer's sum) print last.
---cpu: interpret mode, no GPU kernels in the trace, so wall time per call (a test of the script).
+summed per call (a split's sum of partials included), the median over runs. % floor: the weight
+bytes (int4: packed weights, scales, zeros; fp8: values and scales; bf16: the matrix) over the
+measured copy bandwidth, over the time. Programs compile in threads, a batch at a time (the main
+variants, then the sweep one projection at a time); a batch that would start past --budget-s is
+left out as `skipped` rows. DIR gets gemv_<weights>.json; the tables (per projection and the
+layer's sum) print last. --cpu: interpret mode, no GPU kernels in the trace, so wall time per
+call (a test of the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import concurrent.futures
 import json
 import math
@@ -45,70 +53,109 @@ import quant_linear_gpu as qlg  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import int4_gemv as gemv  # noqa: E402
-from pallas_kernels import quant_matmul  # noqa: E402
+from fp8_gemv_half2 import fp8_gemv_half2  # noqa: E402
+from jaxllm.models import quant  # noqa: E402
+from pallas_kernels import fp8_gemv, int4_gemv, quant_matmul  # noqa: E402
 from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
 
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
           "cpu": {"qkv": (256, 384), "down": (512, 200)}}
-SWEEP = {"gpu": dict(block_n=(64, 128, 256), num_warps=(4, 8), splits=(1, 0.5, 2)),
-         "cpu": dict(block_n=(32, 64), num_warps=(4,), splits=(1, 2))}
+NORMED = ("qkv", "gate_up")  # the projections whose FP8 GEMV carries the input norm
+SWEEP = {("int4", "gpu"): dict(block_n=(64, 128, 256), num_warps=(4, 8), splits=(1, 0.5, 2)),
+         ("int4", "cpu"): dict(block_n=(32, 64), num_warps=(4,), splits=(1, 2)),
+         ("fp8", "gpu"): dict(block_n=(32, 64), block_k=(256, 512), num_warps=(4, 8),
+                              splits=(1, 2)),
+         ("fp8", "cpu"): dict(block_n=(16, 32), block_k=(64,), num_warps=(4,), splits=(1, 2))}
+# per weights: the variants timed at their defaults, the swept kernel
+MAIN = {"int4": ("bf16", "int4_matmul", "int4_gemv"),
+        "fp8": ("bf16", "fp8_gemv", "fp8_gemv_norm", "fp8_half2")}
+SWEPT = {"int4": "int4_gemv", "fp8": "fp8_half2"}
 WEIGHT_SPAN = {"gpu": 256 << 20, "cpu": 0}  # bytes of weight copies a program cycles through
 GROUP = 128
 MAX_ERR = 1e-2  # bf16 output rounding is 2^-8; a broken kernel errs by far more
+EPS = 1e-5
 
 
 def weight_bytes(kind: str, k: int, n: int) -> int:
     if kind == "bf16":
         return 2 * k * n
+    if kind.startswith("fp8"):
+        return k * n + 4 * n  # float8 values, an fp32 scale a channel
     return k * n // 2 + 3 * (k // GROUP) * n  # packed nibbles; a bf16 scale and a uint8 zero
 
 
 def make_weights(kind: str, k: int, n: int, copies: int, key) -> list:
-    """`copies` random weights: bf16 [K, N], or (qweight, scales, zeros) in quant_matmul's
-    layout with scales over a decade and zero points over 0..15."""
+    """`copies` random weights: bf16 [K, N]; int4 (qweight, scales, zeros) in quant_matmul's
+    layout with scales over a decade and zero points over 0..15; fp8 (values [N, K], scale [N],
+    an RMSNorm weight [K])."""
     out = []
     for i in range(copies):
         kq, ks, kz = jax.random.split(jax.random.fold_in(key, i), 3)
         if kind == "bf16":
             out.append((0.02 * jax.random.normal(kq, (k, n))).astype(jnp.bfloat16))
-            continue
-        out.append((jax.random.bits(kq, (k // 8, n), jnp.uint32).view(jnp.int32),
-                    jax.random.uniform(ks, (k // GROUP, n), jnp.float32, 1e-3, 1e-2)
-                    .astype(jnp.bfloat16),
-                    jax.random.randint(kz, (k // GROUP, n), 0, 16).astype(jnp.uint8)))
+        elif kind == "fp8":
+            w = quant.quantize_fp8((0.02 * jax.random.normal(kq, (n, k))).astype(jnp.bfloat16)
+                                   .T)  # quantised per output channel
+            out.append((w.values.reshape(n, k), w.scale.reshape(n),
+                        (1 + 0.1 * jax.random.normal(ks, (k,))).astype(jnp.bfloat16)))
+        else:
+            out.append((jax.random.bits(kq, (k // 8, n), jnp.uint32).view(jnp.int32),
+                        jax.random.uniform(ks, (k // GROUP, n), jnp.float32, 1e-3, 1e-2)
+                        .astype(jnp.bfloat16),
+                        jax.random.randint(kz, (k // GROUP, n), 0, 16).astype(jnp.uint8)))
     return out
 
 
 def projection(p: dict, interpret: bool):
     """(x [1, K], one weight) -> [1, N] for a variant."""
-    if p["kind"] == "bf16":
+    kind, tiles = p["kind"], p["tiles"]
+    if kind == "bf16":
         return lambda x, w: x @ w
-    if p["kind"] == "int4_matmul":
+    if kind == "int4_matmul":
         return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret)
-    return lambda x, w: gemv.int4_gemv(x, *w, interpret=interpret, **p["tiles"])
+    if kind == "int4_gemv":
+        return lambda x, w: int4_gemv.int4_gemv(x, *w, interpret=interpret, **tiles)
+    if kind == "fp8_gemv_norm":
+        return lambda x, w: fp8_gemv.fp8_gemv(x, w[0], w[1], norm_weight=w[2], eps=EPS,
+                                              interpret=interpret, **tiles)
+    kernel = fp8_gemv.fp8_gemv if kind == "fp8_gemv" else fp8_gemv_half2
+    return lambda x, w: kernel(x, w[0], w[1], interpret=interpret, **tiles)
 
 
-def gemv_tiles(k: int, n: int, block_n: int, num_warps: int, factor: float) -> dict:
-    """The sweep's tiles, splits as the kernel will run them (the default times factor)."""
-    splits = max(1, round(gemv.default_splits(n, k, block_n) * factor))
-    return dict(block_n=block_n, num_warps=num_warps,
-                splits=gemv._whole_splits(k // quant_matmul.CHUNK_ROWS, splits))
+def sweep_tiles(weights: str, k: int, n: int, tile: dict, factor: float) -> dict:
+    """A sweep point's tiles, splits as the kernel will run them (its default times factor)."""
+    if weights == "int4":
+        splits = max(1, round(int4_gemv.default_splits(n, k, tile["block_n"]) * factor))
+        return dict(tile, splits=int4_gemv._whole_splits(k // quant_matmul.CHUNK_ROWS, splits))
+    default = fp8_gemv.default_splits(n, k, tile["block_n"], tile["block_k"])
+    steps = -(-k // tile["block_k"])
+    splits = min(steps, max(1, round(default * factor)))
+    return dict(tile, splits=-(-steps // -(-steps // splits)))
 
 
-def batches(where: str) -> list[list[dict]]:
+def default_tiles(weights: str, k: int, n: int) -> dict:
+    if weights == "int4":
+        return sweep_tiles("int4", k, n, dict(block_n=int4_gemv.DEFAULT_BLOCK_N,
+                                              num_warps=int4_gemv.DEFAULT_NUM_WARPS), 1)
+    block_n, block_k = fp8_gemv.DEFAULT_TILE
+    return sweep_tiles("fp8", k, n, dict(block_n=block_n, block_k=block_k, num_warps=4), 1)
+
+
+def batches(weights: str, where: str) -> list[list[dict]]:
     """The main variants of every projection, then each projection's sweep (the defaults'
     tiles left out: timed in the first batch)."""
     main = [dict(kind=kind, proj=proj, tiles={}) for proj in SHAPES[where]
-            for kind in ("bf16", "int4_matmul", "int4_gemv")]
+            for kind in MAIN[weights] if kind != "fp8_gemv_norm" or proj in NORMED]
     out = [main]
-    sweep = SWEEP[where]
+    sweep = dict(SWEEP[weights, where])
+    factors = sweep.pop("splits")
+    points = [dict(zip(sweep, values)) for values in
+              itertools.product(*sweep.values())]
     for proj, (k, n) in SHAPES[where].items():
-        default = gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, gemv.DEFAULT_NUM_WARPS, 1)
-        tiles = {tuple(gemv_tiles(k, n, bn, nw, f).items()) for bn in sweep["block_n"]
-                 for nw in sweep["num_warps"] for f in sweep["splits"]}
-        out.append([dict(kind="int4_gemv", proj=proj, tiles=dict(t), sweep=True)
+        default = default_tiles(weights, k, n)
+        tiles = {tuple(sweep_tiles(weights, k, n, t, f).items()) for t in points for f in factors}
+        out.append([dict(kind=SWEPT[weights], proj=proj, tiles=dict(t), sweep=True)
                     for t in sorted(tiles) if dict(t) != default])
     return out
 
@@ -119,6 +166,9 @@ def check(p: dict, x, w) -> float:
     if p["kind"] == "bf16":
         want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
+    elif p["kind"].startswith("fp8"):
+        norm = dict(norm_weight=w[2], eps=EPS) if p["kind"] == "fp8_gemv_norm" else {}
+        want = fp8_gemv.fp8_gemv_reference(x, w[0], w[1], **norm).astype(jnp.float32)
     else:
         want = quant_matmul.int4_matmul_reference(x, *w).astype(jnp.float32)
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
@@ -143,12 +193,12 @@ def compile_all(programs: list[dict], args_of) -> None:
                 p["error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def row(p: dict, times: dict, index: int, copy_bps: float, shapes: dict) -> dict:
+def row(p: dict, weights: str, times: dict, index: int, copy_bps: float, shapes: dict) -> dict:
     k, n = shapes[p["proj"]]
     base = {"kind": p["kind"], "proj": p["proj"], "k": k, "n": n, **p["tiles"],
             "sweep": p.get("sweep", False)}
-    if p["kind"] == "int4_gemv" and not p["tiles"]:
-        base.update(defaults=True, **gemv_tiles(k, n, gemv.DEFAULT_BLOCK_N, gemv.DEFAULT_NUM_WARPS, 1))
+    if p["kind"] == SWEPT[weights] and not p["tiles"]:
+        base.update(defaults=True, **default_tiles(weights, k, n))
     if "error" in p:
         return {**base, "error": p["error"]}
     runs = [times[index, r] for r in range(qlg.RUNS) if (index, r) in times]
@@ -162,14 +212,13 @@ def row(p: dict, times: dict, index: int, copy_bps: float, shapes: dict) -> dict
             "timer": "gpu kernels" if on_gpu else "wall"}
 
 
-def tables(rows: list[dict], shapes: dict) -> str:
-    """us (% of the floor) per projection and the layer's sum: bf16, int4_matmul, the GEMV at
-    its defaults and its best tiling (named below)."""
+def tables(rows: list[dict], weights: str, shapes: dict) -> str:
+    """us (% of the floor) per projection and the layer's sum: each main variant at its
+    defaults, and the swept kernel's best tiling (named below)."""
     timed = [r for r in rows if "us" in r]
-    picks = {"bf16": lambda r: r["kind"] == "bf16",
-             "int4_matmul": lambda r: r["kind"] == "int4_matmul",
-             "gemv defaults": lambda r: r["kind"] == "int4_gemv" and r.get("defaults", False),
-             "gemv best": lambda r: r["kind"] == "int4_gemv"}
+    picks = {kind: (lambda r, kind=kind: r["kind"] == kind and not r["sweep"])
+             for kind in MAIN[weights]}
+    picks[f"{SWEPT[weights]} best"] = lambda r: r["kind"] == SWEPT[weights]
     lines = ["| proj | " + " | ".join(f"{name} us (% floor)" for name in picks) + " |",
              "|" + " --- |" * (1 + len(picks))]
     best, layer = {}, {name: [] for name in picks}
@@ -181,11 +230,12 @@ def tables(rows: list[dict], shapes: dict) -> str:
             layer[name].append(r)
             cells.append("-" if r is None else f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
             if name.endswith("best") and r is not None:
-                best[f"{name} {proj}"] = {key: r[key] for key in ("block_n", "num_warps", "splits")}
+                best[f"{name} {proj}"] = {key: r[key] for key in
+                                          ("block_n", "block_k", "num_warps", "splits") if key in r}
         lines.append(f"| {proj} | " + " | ".join(cells) + " |")
     cells = []
     for name, found in layer.items():
-        if None in found:
+        if None in found:  # fp8_gemv_norm: qkv and gate/up only
             cells.append("-")
             continue
         us, floor = sum(r["us"] for r in found), sum(r["floor_us"] for r in found)
@@ -196,6 +246,7 @@ def tables(rows: list[dict], shapes: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", choices=("int4", "fp8"), required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--budget-s", type=float, default=120.0,
@@ -209,14 +260,14 @@ def main() -> None:
                 if args.cpu else measure_ceilings("bfloat16"))
     shapes, weights = SHAPES[where], {}
     for proj, (k, n) in shapes.items():
-        for kind in ("bf16", "int4"):
+        for kind in ("bf16", args.weights):
             copies = max(2, math.ceil(WEIGHT_SPAN[where] / weight_bytes(kind, k, n)))
             weights[proj, kind] = make_weights(kind, k, n, copies, jax.random.key(k * 7 + n))
     xs = {k: jax.random.normal(jax.random.key(k), (1, k), jnp.bfloat16) for k, _ in shapes.values()}
     args_of = lambda p: (xs[shapes[p["proj"]][0]],  # noqa: E731
-                         weights[p["proj"], "bf16" if p["kind"] == "bf16" else "int4"])
+                         weights[p["proj"], "bf16" if p["kind"] == "bf16" else args.weights])
     rows = []
-    for batch in batches(where):
+    for batch in batches(args.weights, where):
         for p in batch:
             p.update(interpret=interpret, calls=len(args_of(p)[1]))
         if time.perf_counter() - start > args.budget_s:
@@ -228,15 +279,15 @@ def main() -> None:
             qlg.trace_runs(batch, args_of, trace_dir)
             times = qlg.run_times(trace_dir)
         for i, p in enumerate(batch):
-            rows.append(row(p, times, i, ceilings.hbm_bytes_per_s, shapes))
+            rows.append(row(p, args.weights, times, i, ceilings.hbm_bytes_per_s, shapes))
             print(json.dumps(rows[-1]), flush=True)
     summary = {"device": ceilings.device, "copy_GBps": ceilings.hbm_bytes_per_s / 1e9,
-               "group": GROUP, "tokens": 1, "elapsed_s": time.perf_counter() - start,
+               "weights": args.weights, "tokens": 1, "elapsed_s": time.perf_counter() - start,
                "skipped": sum(1 for r in rows if r.get("skipped")),
                "errors": sum(1 for r in rows if "error" in r)}
-    with open(os.path.join(args.out, "int4_gemv.json"), "w") as f:
+    with open(os.path.join(args.out, f"gemv_{args.weights}.json"), "w") as f:
         json.dump({**summary, "rows": rows}, f, indent=1)
-    print(f"\n{json.dumps(summary)}\n{tables(rows, shapes)}")
+    print(f"\n{json.dumps(summary)}\n{tables(rows, args.weights, shapes)}")
 
 
 if __name__ == "__main__":
