@@ -90,3 +90,40 @@ def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path):
                                          + ["ok (4 peers agree)"] * 5), verdicts
     assert (tmp_path / "gpu_smoke.md").read_text().count("| llama-tiny") == 9
     assert out.stdout.count("llama-tiny") >= 18  # a progress row per case, then the table
+
+
+def test_an_exclusive_case_runs_with_nothing_beside_it(tmp_path, monkeypatch):
+    """The matrix runs small cases side by side, and a case marked alone (as the FP8 MoE) with
+    no other case on the device, before or after it."""
+    live, seen = set(), {}
+
+    class Proc:  # finishes at its second poll
+        def __init__(self, name):
+            self.name, self.polls = name, 0
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 2:
+                return None
+            live.discard(self.name)
+            return 0
+
+    def launch(case, out_dir, index):
+        live.add(case.name)
+        seen[case.name] = set(live)
+        return Proc(case.name), gpu_smoke.time.perf_counter()
+
+    monkeypatch.setattr(gpu_smoke, "_launch", launch)
+    monkeypatch.setattr(gpu_smoke, "_finish", lambda case, *_: {"case": case.name})
+    monkeypatch.setattr(gpu_smoke, "_print_row", lambda row: None)
+    monkeypatch.setattr(gpu_smoke.time, "sleep", lambda s: None)
+    small = [gpu_smoke.Case("llama-tiny", "bfloat16", 2048, 16, s, "pallas") for s in (1, 2, 8)]
+    big = gpu_smoke.Case("qwen3-30b-a3b", "bfloat16", 2048, 16, 8, "pallas", utilization=0.6,
+                         alone=True)
+    rows = gpu_smoke.run_matrix([small[0], big, *small[1:]], str(tmp_path), jobs=8,
+                                timeout_s=60)
+    assert sorted(r["case"] for r in rows) == sorted(c.name for c in [big, *small])
+    assert seen[big.name] == {big.name}
+    assert max(len(names) for names in seen.values()) == 3  # the small ones together
+    assert [c.name for c in gpu_smoke.gpu_matrix(num_gpus=1) if c.exclusive] == [
+        big.name + " q-fp8"]

@@ -68,8 +68,8 @@ SWEEP = {("int4", "gpu"): dict(block_n=(64, 128, 256), num_warps=(4, 8), splits=
                               splits=(1, 2)),
          ("fp8", "cpu"): dict(block_n=(16, 32), block_k=(64,), num_warps=(4,), splits=(1, 2))}
 # per weights: the variants timed at their defaults, the swept kernel
-MAIN = {"int4": ("bf16", "int4_matmul", "int4_gemv"),
-        "fp8": ("bf16", "fp8_gemv", "fp8_gemv_norm", "fp8_half2")}
+MAIN = {"int4": ("bf16", "int4_matmul", "int4_gemv", "xla_int4"),
+        "fp8": ("bf16", "fp8_gemv", "fp8_gemv_norm", "fp8_half2", "xla_w8a16")}
 SWEPT = {"int4": "int4_gemv", "fp8": "fp8_half2"}
 WEIGHT_SPAN = {"gpu": 256 << 20, "cpu": 0}  # bytes of weight copies a program cycles through
 GROUP = 128
@@ -80,7 +80,7 @@ EPS = 1e-5
 def weight_bytes(kind: str, k: int, n: int) -> int:
     if kind == "bf16":
         return 2 * k * n
-    if kind.startswith("fp8"):
+    if kind.startswith("fp8") or kind == "xla_w8a16":
         return k * n + 4 * n  # float8 values, an fp32 scale a channel
     return k * n // 2 + 3 * (k // GROUP) * n  # packed nibbles; a bf16 scale and a uint8 zero
 
@@ -107,11 +107,34 @@ def make_weights(kind: str, k: int, n: int, copies: int, key) -> list:
     return out
 
 
+def xla_int4_weights(qweight, scales, zeros) -> tuple:
+    """quant_matmul's packed words -> XLA's own int4 layout: the nibbles less 8 as int4
+    [K // group, group, N], with the same scales and zeros."""
+    q = (quant_matmul.unpack_int4(qweight).astype(jnp.int32) - 8).astype(jnp.int4)
+    return q.reshape(scales.shape[0], -1, q.shape[1]), scales, zeros
+
+
+def xla_int4(x, w):
+    """x [M, K] @ the int4 weights by XLA alone: a dot per group on the int4 values widened in
+    its prologue, then the scales and zero points (s (n - z) = s (q + 8 - z), q = n - 8)."""
+    q, s, z = w
+    xg = x.reshape(x.shape[0], q.shape[0], q.shape[1])
+    part = jnp.einsum("mgk,gkn->mgn", xg, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    xsum = jnp.sum(xg.astype(jnp.float32), axis=2)[..., None]
+    y = s.astype(jnp.float32) * (part - (z.astype(jnp.float32) - 8) * xsum)
+    return jnp.sum(y, axis=1).astype(x.dtype)
+
+
 def projection(p: dict, interpret: bool):
     """(x [1, K], one weight) -> [1, N] for a variant."""
     kind, tiles = p["kind"], p["tiles"]
     if kind == "bf16":
         return lambda x, w: x @ w
+    if kind == "xla_int4":
+        return xla_int4
+    if kind == "xla_w8a16":  # the float8 values widened in the dot's prologue
+        return lambda x, w: (jnp.dot(x, w[0].astype(x.dtype).T, preferred_element_type=jnp.float32)
+                             * w[1]).astype(x.dtype)
     if kind == "int4_matmul":
         return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret)
     if kind == "int4_gemv":
@@ -166,7 +189,12 @@ def check(p: dict, x, w) -> float:
     if p["kind"] == "bf16":
         want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
-    elif p["kind"].startswith("fp8"):
+    elif p["kind"] == "xla_int4":
+        q, sc, z = w
+        deq = (q.astype(jnp.float32) + 8 - z[:, None].astype(jnp.float32)) * sc[:, None]
+        want = jnp.dot(x.astype(jnp.float32), deq.astype(x.dtype).astype(jnp.float32)
+                       .reshape(-1, q.shape[2]), precision=jax.lax.Precision.HIGHEST)
+    elif p["kind"].startswith("fp8") or p["kind"] == "xla_w8a16":
         norm = dict(norm_weight=w[2], eps=EPS) if p["kind"] == "fp8_gemv_norm" else {}
         want = fp8_gemv.fp8_gemv_reference(x, w[0], w[1], **norm).astype(jnp.float32)
     else:
@@ -263,9 +291,12 @@ def main() -> None:
         for kind in ("bf16", args.weights):
             copies = max(2, math.ceil(WEIGHT_SPAN[where] / weight_bytes(kind, k, n)))
             weights[proj, kind] = make_weights(kind, k, n, copies, jax.random.key(k * 7 + n))
+        if args.weights == "int4":
+            weights[proj, "xla_int4"] = [xla_int4_weights(*w) for w in weights[proj, "int4"]]
     xs = {k: jax.random.normal(jax.random.key(k), (1, k), jnp.bfloat16) for k, _ in shapes.values()}
     args_of = lambda p: (xs[shapes[p["proj"]][0]],  # noqa: E731
-                         weights[p["proj"], "bf16" if p["kind"] == "bf16" else args.weights])
+                         weights[p["proj"], p["kind"] if p["kind"] in ("bf16", "xla_int4")
+                                 else args.weights])
     rows = []
     for batch in batches(args.weights, where):
         for p in batch:
