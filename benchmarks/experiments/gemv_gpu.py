@@ -302,7 +302,8 @@ def main() -> None:
         for p in batch:
             p.update(interpret=interpret, calls=len(args_of(p)[1]))
         if time.perf_counter() - start > args.budget_s:
-            rows += [dict(kind=p["kind"], proj=p["proj"], **p["tiles"], skipped=True)
+            rows += [dict(kind=p["kind"], proj=p["proj"], **p["tiles"], sweep=p.get("sweep", False),
+                          skipped=True)
                      for p in batch]
             continue
         compile_all(batch, args_of)
