@@ -1,6 +1,6 @@
-"""What the half2 GEMVs (int4_gemv.py; benchmarks/experiments/fp8_gemv_half2.py, a candidate)
-share: elementwise inline PTX in Pallas (Triton), a half2 lane widened to fp32, and the
-power-of-two row scale that keeps x's fp16 products in range."""
+"""The half2 GEMV's (int4_gemv.py) PTX helpers: elementwise inline PTX in Pallas (Triton), a
+half2 lane widened to fp32, and the power-of-two row scale that keeps x's fp16 products in
+range."""
 
 from __future__ import annotations
 

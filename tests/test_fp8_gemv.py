@@ -4,6 +4,7 @@ norm_linear's routing (few tokens to the GEMV, more to W8A8, one device only), t
 of the kernel and of linear's GPU path, and gemv_report.py's lowering step."""
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -329,3 +330,25 @@ def test_gemv_report_writes_the_kernels_triton_ir(tmp_path, kernel):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ttir = (tmp_path / "kernel.ttir").read_text()
     assert f"{kernel}_gemv" in ttir and "tt.func" in ttir and "scf.for" in ttir
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int4"])
+def test_gemv_gpu_script_checks_and_times_every_main_variant(tmp_path, weights):
+    """benchmarks/experiments/gemv_gpu.py --cpu (interpret mode, wall time): every main variant
+    (the GEMV, bf16, XLA's own dot; FP8 with its norm prologue too) passes its reference check
+    and gets a time; the sweep is left out by the budget."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "experiments",
+                                                       "gemv_gpu.py"), "--weights", weights,
+                          "--cpu", "--budget-s", "0", "--out", str(tmp_path)], cwd=root,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(tmp_path / f"gemv_{weights}.json") as f:
+        report = json.load(f)
+    timed = [r for r in report["rows"] if not r.get("skipped")]
+    assert report["errors"] == 0 and all(r["err"] < 1e-2 and r["us"] > 0 for r in timed)
+    kinds = {"fp8": {"bf16", "fp8_gemv", "fp8_gemv_norm", "xla_w8a16"},
+             "int4": {"bf16", "int4_matmul", "int4_gemv", "xla_int4"}}[weights]
+    assert {r["kind"] for r in timed} == kinds
+    assert report["skipped"] > 0 and all(r["sweep"] for r in report["rows"] if r.get("skipped"))

@@ -31,7 +31,7 @@ import sys
 
 REGS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM, SMEM_PER_SM = 65536, 64, 32, 228 * 1024
 ISSUE_PER_S = 132 * 4 * 1.98e9  # warp instructions a second, the whole H200
-BYTES_PER_WEIGHT = {"int4": 0.5, "fp8": 1.0, "fp8_half2": 1.0}
+BYTES_PER_WEIGHT = {"int4": 0.5, "fp8": 1.0}
 
 
 def write_ttir(a) -> None:
@@ -55,17 +55,14 @@ def write_ttir(a) -> None:
                        sds((groups, a.n), jnp.bfloat16), sds((groups, a.n), jnp.uint8))
         weights = 128 * a.block_n  # a 128-row chunk of the tile
     else:
-        from fp8_gemv_half2 import _TILES_PER_WIDEN, fp8_gemv_half2
         from pallas_kernels.fp8_gemv import DEFAULT_TILE, FP8, fp8_gemv
-        kernel = fp8_gemv_half2 if a.kernel == "fp8_half2" else fp8_gemv
+        kernel = fp8_gemv
         a.block_n, a.block_k = a.block_n or DEFAULT_TILE[0], a.block_k or DEFAULT_TILE[1]
         a.num_warps = a.num_warps or 4
         lower_for_h200(functools.partial(kernel, block_n=a.block_n, block_k=a.block_k,
                                          num_warps=a.num_warps, splits=a.splits),
                        x, sds((a.n, a.k), FP8), sds((a.n,), jnp.float32))
         weights = a.block_n * a.block_k  # a K tile
-        if a.kernel == "fp8_half2":  # its loop runs several tiles an iteration
-            weights *= _TILES_PER_WIDEN
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernel.ttir"), "w") as f:
         f.write(str(modules[-1].module))
@@ -143,7 +140,7 @@ def compile_and_report(a) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kernel", choices=("int4", "fp8", "fp8_half2"),
+    parser.add_argument("--kernel", choices=("int4", "fp8"),
                         default="int4")
     parser.add_argument("--m", type=int, default=1, help="rows of x")
     parser.add_argument("--k", type=int, default=4096)
