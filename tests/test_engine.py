@@ -433,6 +433,25 @@ def test_abort_frees_blocks(llm):
     np.testing.assert_equal(engine.has_unfinished_requests(), False)
 
 
+def test_an_aborted_id_used_again_while_its_step_is_in_flight(llm):
+    """Aborting leaves the async engine's last step in flight; a new request under the same id
+    must not take that step's token as its own (vLLM lets an aborted id be used again)."""
+    engine = llm.llm_engine
+    prompt = random_prompts(3, 1, 300, lengths=(20, 20))[0]
+    want = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    for _ in range(2):
+        engine.add_request("again", prompt, greedy(8))
+        for _ in range(4):
+            engine.step()
+        engine.abort_request(["again"])
+    engine.add_request("again", prompt, greedy(8))
+    got = []
+    while engine.has_unfinished_requests():
+        got = [o.outputs[0].token_ids for o in engine.step() if o.finished] or got
+    assert got == [want]
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_prompt_logprobs_match_hf(async_scheduling, tiny_llama_dir):
     """Prompt logprobs (computed chunk by chunk: the budget splits the prompt) against HF's

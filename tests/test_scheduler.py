@@ -470,6 +470,46 @@ def test_a_reused_request_id_does_not_get_the_finished_request_token():
     assert scheduler.update_from_output(out2, {"x": 7}) == [new] and new.output_token_ids == [7]
 
 
+def test_an_aborted_id_used_again_waits_for_the_steps_in_flight_that_hold_it():
+    """The runner keys its requests by id: a new request under an id that steps in flight
+    still hold (the aborted request's) is admitted only once their results are in, so the
+    runner never records those results as the new request's tokens."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("x", 4, max_tokens=5))
+    out1 = scheduler.schedule()
+    out2 = scheduler.schedule()
+    scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+    new = make_request("x", 6, max_tokens=5)
+    scheduler.add_request(new)
+    scheduler.add_request(make_request("y", 3, max_tokens=5))
+    assert scheduler.schedule().scheduled == []  # FCFS: y waits behind x
+    assert scheduler.update_from_output(out1, {"x": 5}) == []
+    assert scheduler.schedule().scheduled == []  # out2 still holds x
+    assert scheduler.update_from_output(out2, {"x": 6}) == []
+    out5 = scheduler.schedule()
+    assert grants(scheduler, out5) == [("x", 0, 6, [2], True), ("y", 0, 3, [3], True)]
+    assert out5.scheduled[0].token_ids == new.prompt_token_ids
+    assert scheduler.update_from_output(out5, {"x": 7, "y": 8}) == [new, scheduler.requests["y"]]
+    assert new.output_token_ids == [7]
+
+
+def test_dp_ranks_send_an_id_in_flight_to_the_rank_that_holds_it():
+    from jaxllm.core.dp_scheduler import DPScheduler
+
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    dp = DPScheduler([Scheduler(config, CacheConfig(block_size=8), 64) for _ in range(2)])
+    dp.add_request(make_request("busy", 4, max_tokens=5))
+    dp.add_request(make_request("x", 4, max_tokens=5))
+    assert (dp.rank_of("busy"), dp.rank_of("x")) == (0, 1)
+    out1 = dp.schedule()
+    dp.finish_requests(["busy", "x"], RequestStatus.FINISHED_ABORTED)
+    dp.add_request(make_request("x", 4, max_tokens=5))  # by load alone: rank 0
+    dp.add_request(make_request("busy", 4, max_tokens=5))
+    assert (dp.rank_of("busy"), dp.rank_of("x")) == (0, 1)
+    dp.update_from_output(out1, {"busy": 1, "x": 2})
+    assert [out.req_ids for out in dp.schedule().ranks] == [["busy"], ["x"]]
+
+
 @pytest.mark.parametrize("async_order", [False, True])
 def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
     rng = random.Random(1234)

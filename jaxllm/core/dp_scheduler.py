@@ -79,7 +79,12 @@ class DPScheduler:
     def add_request(self, request: Request) -> None:
         if self.rank_of(request.request_id) is not None:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        rank = prefix_aware_rank(self.rank_loads(), self._kv_managers, request, self._load_slack)
+        # an id a rank's steps in flight still hold goes to that rank, which waits for them
+        rank = next((i for i, rank in enumerate(self.ranks)
+                     if rank.finished_id_in_flight(request.request_id)), None)
+        if rank is None:
+            rank = prefix_aware_rank(self.rank_loads(), self._kv_managers, request,
+                                     self._load_slack)
         self.ranks[rank].add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str],

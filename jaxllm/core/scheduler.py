@@ -166,6 +166,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the previous schedule()
         self._step_id = 0
         self._grants: dict[int, list[_Grant]] = {}  # step id -> its grants, until its results
+        # Ids of finished requests -> the newest step in flight that may hold them: a new
+        # request under such an id waits for it, so an id names one request in the steps in
+        # flight (the runner and the drafts are keyed by id).
+        self._finished_in_flight: dict[str, int] = {}
         self.num_preemptions_total = 0
         self.speculative_config = speculative_config
         self.max_loras = max_loras
@@ -181,6 +185,10 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def finished_id_in_flight(self, request_id: str) -> bool:
+        """Whether a step in flight may hold a finished request of this id."""
+        return request_id in self._finished_in_flight
 
     def _check_fits(self, request: Request) -> None:
         num_prompt = request.num_prompt_tokens
@@ -226,6 +234,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        if self._grants:
+            self._finished_in_flight[request.request_id] = max(self._grants)
 
     # ---- one step ----
 
@@ -284,6 +294,8 @@ class Scheduler:
             request = self.waiting.first()
             if request.num_output_placeholders:  # preempted with a token in flight: recompute
                 break  # only once that token is known (after update_from_output)
+            if self.finished_id_in_flight(request.request_id):  # its id's old steps first
+                break
             lora = request.lora_int_id
             if lora and lora not in loras and len(loras) >= self.max_loras:
                 skipped.append(self.waiting.popleft_group())
@@ -406,6 +418,9 @@ class Scheduler:
         A request preempted after this step was launched still gets its tokens."""
         updated: list[Request] = []
         any_finished = False
+        if self._finished_in_flight:
+            self._finished_in_flight = {i: s for i, s in self._finished_in_flight.items()
+                                        if s > scheduler_output.step_id}
         for grant in self._grants.pop(scheduler_output.step_id, ()):
             request = grant.request
             if not grant.samples or request.is_finished():  # finished or aborted meanwhile
