@@ -55,13 +55,17 @@ def annotated_gpu_events(trace_dir: str, prefix: str) -> dict[str, tuple[float, 
 def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
     path, events, process = read_trace(trace_dir)
     per_process = defaultdict(lambda: defaultdict(float))  # process -> event name -> us
+    events_of = defaultdict(int)  # process -> events
     for e in events:
         if e.get("ph") == "X":
-            per_process[process.get(e["pid"], str(e["pid"]))][e["name"][:90]] += e.get("dur", 0)
+            name = process.get(e["pid"], str(e["pid"]))
+            per_process[name][e["name"][:90]] += e.get("dur", 0)
+            events_of[name] += 1
     return {"trace": path, **{
         f"top_us_per_step {name}": [(k, round(v / num_steps, 1)) for k, v in
                                     sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
-        for name, by_name in per_process.items()}}
+        for name, by_name in per_process.items()}, **{
+        f"events_per_step {name}": round(n / num_steps, 1) for name, n in events_of.items()}}
 
 
 def profile_workload(engine, workload: str, windows: list[int], num_steps: int, out: str,
@@ -130,6 +134,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=25, help="kernels listed per step")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
@@ -180,7 +185,7 @@ def main() -> None:
             lora_request=lora)
         timing = {"batch": batch, "wall_ms_per_step": traced["mean_step_ms"],
                   "untraced_wall_ms_per_step": untraced["mean_step_ms"],
-                  **kernel_summary(trace_dir, a.steps)}
+                  **kernel_summary(trace_dir, a.steps, a.top)}
         results[f"b{batch}"] = timing
         print(json.dumps(timing, indent=1), flush=True)
     with open(os.path.join(a.out, "profile.json"), "w") as f:
