@@ -24,9 +24,9 @@ def to_cache(x: jax.Array, dtype, scale: float) -> jax.Array:
 def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
                        slot_mapping: jax.Array, *, k_scale: float = 1.0,
                        v_scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """k_cache, v_cache: [N, P, Hkv, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32. A float8
-    cache stores k / k_scale and v / v_scale (static per-tensor scales; attention multiplies
-    them back).
+    """k_cache, v_cache: [N, P, Hkv, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32, in range
+    [0, N * P). A float8 cache stores k / k_scale and v / v_scale (static per-tensor scales;
+    attention multiplies them back).
 
     A scatter at (page, offset) = divmod(slot, P) into the cache itself; with the cache donated,
     XLA updates it in place. (Scattering into a flattened [N * P, Hkv, D] view instead made XLA
@@ -34,8 +34,15 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
     """
     page_size = k_cache.shape[1]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    return (k_cache.at[page, offset].set(to_cache(k, k_cache.dtype, k_scale)),
-            v_cache.at[page, offset].set(to_cache(v, v_cache.dtype, v_scale)))
+    k, v = to_cache(k, k_cache.dtype, k_scale), to_cache(v, v_cache.dtype, v_scale)
+    if k.shape[0] == 1:
+        # One token: a dynamic_update_slice. XLA turns a one-row scatter into one too, but
+        # behind a select that keeps the old row for an out-of-range slot: a kernel more per
+        # cache. Slots are in range (the engine's padding writes to the reserved block 0).
+        start = (page[0], offset[0], 0, 0)
+        return (jax.lax.dynamic_update_slice(k_cache, k[None], start),
+                jax.lax.dynamic_update_slice(v_cache, v[None], start))
+    return k_cache.at[page, offset].set(k), v_cache.at[page, offset].set(v)
 
 
 # Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into

@@ -248,10 +248,14 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
 
 
 def _merge_splits(o_split, lse_split):
-    """o_split [K, T, Hq, D] f32 normalised per split, lse_split [K, T, Hq] base 2 -> [T, Hq, D]."""
-    lse_max = jnp.max(lse_split, axis=0)  # [T, Hq]
-    weight = jnp.exp2(lse_split - lse_max[None])  # [K, T, Hq]; 0 for empty splits
-    return jnp.einsum("kth,kthd->thd", weight, o_split) / jnp.sum(weight, axis=0)[..., None]
+    """o_split [K, T, Hq, D] f32 normalised per split, lse_split [K, T, Hq] base 2 -> [T, Hq, D].
+    Written over the K splits one by one (K is static and small), elementwise only, so that XLA
+    makes one kernel of it (reductions over K split it into two launch-bound ones)."""
+    splits = range(lse_split.shape[0])
+    lse_max = functools.reduce(jnp.maximum, (lse_split[k] for k in splits))  # [T, Hq]
+    weight = [jnp.exp2(lse_split[k] - lse_max) for k in splits]  # 0 for empty splits
+    merged = functools.reduce(jnp.add, (w[..., None] * o_split[k] for k, w in zip(splits, weight)))
+    return merged / functools.reduce(jnp.add, weight)[..., None]
 
 
 def _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles) -> int:

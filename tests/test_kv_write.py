@@ -4,6 +4,7 @@ lowering on this CPU machine."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import lower_for_h200
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_reference
@@ -31,15 +32,23 @@ def test_pallas_matches_reference():
             np.testing.assert_array_equal(flat_g[16:], flat_w[16:])  # block 0: any padding row
 
 
-def test_reference_writes_slots_and_keeps_the_rest():
-    k_cache, v_cache, k, v, slots = random_step(1, 8, 8, dtype=jnp.float32)
-    new_k, new_v = write_kv(k_cache, v_cache, k, v, slots)
+@pytest.mark.parametrize("num_tokens", [8, 1])
+def test_reference_writes_slots_and_keeps_the_rest(num_tokens):
+    k_cache, v_cache, k, v, slots = random_step(1, num_tokens, num_tokens, dtype=jnp.float32)
+    new_k, new_v = jax.jit(write_kv)(k_cache, v_cache, k, v, slots)
     flat = np.asarray(new_k).reshape(-1, 3, 64)
     np.testing.assert_array_equal(flat[np.asarray(slots)], np.asarray(k))
     untouched = np.setdiff1d(np.arange(flat.shape[0]), np.asarray(slots))
     np.testing.assert_array_equal(flat[untouched], np.asarray(k_cache).reshape(-1, 3, 64)[untouched])
     np.testing.assert_array_equal(np.asarray(new_v).reshape(-1, 3, 64)[np.asarray(slots)],
                                   np.asarray(v))
+
+
+def test_one_token_writes_by_dynamic_update_slice():
+    """A one-row scatter costs XLA a select kernel more per cache than the slice update."""
+    k_cache, v_cache, k, v, slots = random_step(2, 1, 1)
+    hlo = jax.jit(write_kv).lower(k_cache, v_cache, k, v, slots).as_text()
+    assert "dynamic_update_slice" in hlo and "scatter" not in hlo
 
 
 def test_lowers_for_cuda():
