@@ -25,10 +25,17 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
 _MASK_INIT = -1e30
-# A float8_e4m3fn byte's bits placed in a float16 (sign to the top, exponent and mantissa below
-# it) read the value over 2^(15 - 7), the ratio of the two formats' exponent biases; exact for
-# every finite value, subnormals included.
-_FP8_IN_F16_SCALE = 256.0
+# V's int16 words, two at a time (one 32-bit register, bytes b0..b3: even d, odd d of the first
+# word, then of the second) -> the even values (b0, b2; selector 0x5420) or the odd (b1, b3;
+# 0x5431) as an fp16 pair: a byte permute and sm_89's float8 pair conversion (Triton's 16-bit
+# integer ops took ~6 instructions a word).
+_V_PAIRS_PTX = """{{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $1, 0, {};
+mov.b32 {{lo, hi}}, t;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+}}"""
 # Pallas's Triton lowering offsets arrays of up to 4 GiB with signed 32-bit integers, so a 1-byte
 # (float8) cache array larger than this would be read at wrapped addresses (2 to 4 GiB).
 MAX_1BYTE_CACHE_BYTES = 2**31
@@ -107,21 +114,24 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _fp8_pairs_to_f16(words):
+def _fp8_pairs_to_f16(words, interpret):
     """words [.., n] int16, each two float8_e4m3fn values (d = 2i low byte, 2i + 1 high) -> the
-    even and the odd values [.., n] float16, each over _FP8_IN_F16_SCALE, by integer ops: a
-    byte at the top of the word, shifted right by one (arithmetic: the sign stays and repeats
-    below it), is in place once the repeat (bit 14) and the bits below the byte are cleared."""
-    even = ((words << 8) >> 1) & jnp.int16(-0x4001)  # 0xBFFF
-    odd = (words >> 1) & jnp.int16(-0x4080)  # 0xBF80
-    return (jax.lax.bitcast_convert_type(even, jnp.float16),
-            jax.lax.bitcast_convert_type(odd, jnp.float16))
+    even and the odd values [.., n] as float16 (exact: every float8_e4m3fn value is one)."""
+    if interpret:
+        byte = lambda w: jax.lax.bitcast_convert_type((w & 0xFF).astype(jnp.uint8),
+                                                      jnp.float8_e4m3fn).astype(jnp.float16)
+        return byte(words), byte(words >> 8)
+    f16 = jax.ShapeDtypeStruct(words.shape, jnp.float16)
+    # one asm a result: Pallas lowers only single-result inline asm
+    return tuple(pltriton.elementwise_inline_asm(
+        _V_PAIRS_PTX.format(selector), args=[words], constraints="=r,r", pack=2,
+        result_shape_dtypes=[f16])[0] for selector in ("0x5420", "0x5431"))
 
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
                       group_pad, block_q, block_k, page_size, num_splits, num_sms, k_scale,
-                      v_scale, only):
+                      v_scale, only, interpret):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -204,7 +214,8 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             # qk_scale and the output)
             k = load(k_ref, dims, 0.0).astype(q.dtype)  # [Bk, D]
             v = load(v_ref, v_cols, 0 if v_pairs else 0.0)
-            v_parts = _fp8_pairs_to_f16(v) if v_pairs else (v.astype(q.dtype),)  # [Bk, D or D/2]
+            v_parts = (_fp8_pairs_to_f16(v, interpret) if v_pairs
+                       else (v.astype(q.dtype),))  # [Bk, D or D/2]
             s = pltriton.dot(q, k, trans_b=True, precision=dot_precision) * qk_scale  # [R, Bk]
             if soft_cap is not None:
                 s = (soft_cap * _LOG2E) * jnp.tanh(s)
@@ -237,7 +248,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
                                       carry)
         m, l, acc = jax.lax.fori_loop(t_masked, t1, functools.partial(tile_step, masked=True),
                                       carry)
-        out_scale = v_scale * (_FP8_IN_F16_SCALE if v_pairs else 1.0) / jnp.maximum(l, 1e-30)
+        out_scale = v_scale / jnp.maximum(l, 1e-30)
         # each split leaves its normalised output and base-2 log-sum-exp (-inf when empty)
         at = () if num_splits == 1 else (split,)
         for a, d in zip(acc, out_dims):
@@ -370,17 +381,17 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     # The tiling sweeps (`python -m pallas_kernels.bench --sections sweep`, docs/lab/): 16-bit
     # decode reads 128-token KV tiles best (8 warps and 3 stages without splits, 4 and 2 with),
     # prefill 64-token tiles with 2 stages. Wider tiles of fp32 or head_dim 256 would not fit
-    # shared memory at those depths. Float8 pages (V as int16 pairs) read fastest in 64-token
-    # tiles, 4 warps and 2 stages (benchmarks/experiments/fp8_kv_attention_gpu.py).
+    # shared memory at those depths. Float8 pages (V as int16 pairs) read fastest in 128-token
+    # tiles too, at 4 warps and 2 stages (benchmarks/experiments/fp8_kv_attention_gpu.py,
+    # ncu_kernels.py).
     fp8_pages = k_cache.dtype == jnp.float8_e4m3fn
     decode_16bit = decode_bucket and q.dtype.itemsize <= 2 and head_dim <= 128
-    wide_tiles = decode_16bit and not fp8_pages
     if block_k is None:
-        block_k = 128 if wide_tiles else 64 if head_dim <= 128 else 32
+        block_k = 128 if decode_16bit else 64 if head_dim <= 128 else 32
     num_tiles = pl.cdiv(max_pages * page_size, block_k)
     if num_kv_splits is None:
         num_kv_splits = _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles)
-    deep = wide_tiles and num_kv_splits == 1
+    deep = decode_16bit and not fp8_pages and num_kv_splits == 1
     if block_q * group_pad < 16 or block_q & (block_q - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_q * {group_pad} (={block_q * group_pad}) and block_k={block_k} "
                          "must be powers of two >= 16")
@@ -400,7 +411,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
         num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale,
-        only=only)
+        only=only, interpret=interpret)
     v_flat = v_cache.reshape(flat)
     if v_pairs is None:
         v_pairs = decode_bucket and num_kv_splits == 1

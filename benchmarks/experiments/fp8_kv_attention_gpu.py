@@ -5,9 +5,10 @@ on an FP8 cache and 13.1 ms on bf16: docs/lab/, session 13).
 
     python benchmarks/experiments/fp8_kv_attention_gpu.py --out DIR [--cpu]
 
-Cases: decode, 512 and 256 sequences x 1536 tokens; a mixed prefill bucket (511 decodes at
-1536 and a 1536-token prompt, 2048 tokens). Each FP8 output against the fp32 reference of the
-same cache; times by `ceilings.time_chain`; % of the copy bandwidth for the cache bytes read.
+Cases: decode, 512 sequences x 1536 tokens and 8 x 8192 (KV splits); a mixed prefill bucket
+(511 decodes at 1536 and a 1536-token prompt, 2048 tokens). Each FP8 output against the fp32
+reference of the same cache; times by `ceilings.time_chain`; % of the copy bandwidth for the
+cache bytes read.
 """
 
 from __future__ import annotations
@@ -29,18 +30,29 @@ FP8 = jnp.float8_e4m3fn
 
 
 def variants(case: str, cpu: bool) -> list[tuple[str, dict]]:
-    """(cache dtype, _triton_attention's keywords): each cache at its default; on the mixed
-    bucket the decodes at the prefill tiling (one launch) or apart (the entry's default)."""
+    """(cache dtype, _triton_attention's keywords): each cache at its default, float8 pages also
+    at other tiles (block_k, warps, stages); on the mixed bucket the decodes at the prefill
+    tiling (one launch) or apart (the entry's default, and at 64-token tiles)."""
     if case.startswith("mixed"):
-        return [("fp8", dict(only=None)), ("fp8", dict(only="split"))]
-    return [("bf16", {}), ("fp8", {})]
+        return [("fp8", dict(only=None)), ("fp8", dict(only="split")),
+                ("fp8", dict(only="split", decode_block_k=64))]
+    if cpu:
+        return [("bf16", {}), ("fp8", {})]
+    if case.startswith("decode 8"):  # KV splits
+        return [("bf16", {}), ("fp8", {}), ("fp8", dict(block_k=64))]
+    return [("bf16", {}), ("fp8", {}), ("fp8", dict(block_k=64)), ("fp8", dict(block_k=256)),
+            ("fp8", dict(num_stages=3))]
 
 
 def attention(q, args, cache, cpu, kw):
     """One launch, or (only="split") the entry's two: decodes, then the rest."""
     kw = dict(kw, sm_scale=0.088, interpret=cpu, k_scale=1.0 if cache == "bf16" else 2.0)
     if kw.pop("only", None) == "split":
-        return ragged_paged_attention(q, *args[1:], **kw)
+        if "decode_block_k" not in kw:
+            return ragged_paged_attention(q, *args[1:], **kw)
+        decodes = _triton_attention(q, *args[1:], only="decode", block_k=kw.pop("decode_block_k"),
+                                    **kw)
+        return _triton_attention(q, *args[1:], only="prefill", out=decodes, **kw)
     return _triton_attention(q, *args[1:], **kw)
 
 
@@ -53,6 +65,7 @@ def main() -> None:
     cases = {"cpu decode": ([1] * 8, [64] * 8), "mixed cpu": ([1] * 8 + [24], [64] * 9)
              } if cli.cpu else {
         "decode 512x1536": ([1] * 512, [1536] * 512),
+        "decode 8x8192": ([1] * 8, [8192] * 8),
         "mixed 511 decodes + 1536 new": ([1] * 511 + [1536], [1536] * 511 + [1536])}
     copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
     rows = []

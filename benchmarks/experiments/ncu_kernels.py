@@ -1,0 +1,88 @@
+"""A driver for Nsight Compute: one launch of each kernel named, at the 8B's shapes and the
+product's default tiles, so that `ncu` reads their hardware counters (what bounds a kernel that
+streams below the copy bandwidth: memory, issue, latency, occupancy).
+
+    ncu --clock-control none --set full -k regex:'ragged_paged|int4_gemv|fp8_gemv' \\
+        -o DIR/prof python benchmarks/experiments/ncu_kernels.py [--cases NAME ...]
+
+Cases: attention over 512 sequences x 1536 tokens of bf16 and of float8 pages (the decode
+bucket; float8 also at other tiles), and a prefill bucket's on float8 pages; the int4 (group 128) and FP8 one-token GEMVs on the four projections. Every program is
+compiled before any launches, and each case is launched once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+import gemv_gpu  # noqa: E402  (sets XLA_FLAGS: each kernel launched on its own)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import fp8_gemv, int4_gemv  # noqa: E402
+from pallas_kernels.bench import HEADS, attn_args, random_batch  # noqa: E402
+from pallas_kernels.ragged_paged_attention import (_triton_attention,  # noqa: E402
+                                                   ragged_paged_attention)
+
+FP8 = jnp.float8_e4m3fn
+
+
+def attention_case(cache: str, num_seqs: int = 512, ctx: int = 1536, **tiles):
+    b = random_batch(jax.random.key(0), [1] * num_seqs, [ctx] * num_seqs, **HEADS)
+    if cache == "fp8":
+        b = dict(b, k_cache=b["k_cache"].astype(FP8), v_cache=b["v_cache"].astype(FP8))
+    scale = {} if cache == "bf16" else dict(k_scale=2.0)
+    return (lambda *a: ragged_paged_attention(*a, sm_scale=0.088, **scale, **tiles)), attn_args(b)
+
+
+def mixed_case(decode_block_k: int | None):
+    """A prefill bucket on float8 pages: 511 decodes at 1536 and a 1536-token prompt; the
+    entry's two launches, the decodes' at their default tiles or at decode_block_k."""
+    q_lens, kv_lens = [1] * 511 + [1536], [1536] * 512
+    b = random_batch(jax.random.key(0), q_lens, kv_lens, num_tokens=2048, **HEADS)
+    b = dict(b, k_cache=b["k_cache"].astype(FP8), v_cache=b["v_cache"].astype(FP8))
+    kw = dict(sm_scale=0.088, k_scale=2.0)
+    if decode_block_k is None:
+        return (lambda *a: ragged_paged_attention(*a, **kw)), attn_args(b)
+    return (lambda *a: _triton_attention(*a, only="prefill", **kw, out=_triton_attention(
+        *a, only="decode", block_k=decode_block_k, **kw))), attn_args(b)
+
+
+def gemv_case(weights: str, proj: str):
+    k, n = gemv_gpu.SHAPES["gpu"][proj]
+    [w] = gemv_gpu.make_weights(weights, k, n, 1, jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (1, k), jnp.bfloat16)
+    if weights == "int4":
+        return (lambda x, *w: int4_gemv.int4_gemv(x, *w)), (x, *w)
+    if proj in gemv_gpu.NORMED:
+        return (lambda x, v, s, g: fp8_gemv.fp8_gemv(x, v, s, norm_weight=g, eps=1e-5)), (x, *w)
+    return (lambda x, v, s, g: fp8_gemv.fp8_gemv(x, v, s)), (x, *w)
+
+
+CASES = {"attn_bf16": lambda: attention_case("bf16"), "attn_fp8": lambda: attention_case("fp8"),
+         **{f"attn_fp8_{name}": (lambda t=t: attention_case("fp8", **t)) for name, t in (
+             ("k64", dict(block_k=64)), ("k256", dict(block_k=256)),
+             ("s3", dict(block_k=128, num_stages=3)))},
+         "mixed_fp8": lambda: mixed_case(None), "mixed_fp8_k64": lambda: mixed_case(64),
+         **{f"{w}_{p}": (lambda w=w, p=p: gemv_case(w, p))
+            for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    cli = parser.parse_args()
+    programs = {}
+    for name in cli.cases:
+        fn, args = CASES[name]()
+        programs[name] = (jax.jit(fn).lower(*args).compile(), args)
+    for name, (compiled, args) in programs.items():
+        print(name, flush=True)
+        jax.block_until_ready(compiled(*args))
+
+
+if __name__ == "__main__":
+    main()
