@@ -21,9 +21,10 @@ fp32 FMA with the scale a part. Zero points cost nothing a word:
 the second term accumulated per column from x's sums over each part, subtracted at the store.
 
 Precision: a half2 lane sums up to four products n * x (fp16 roundings, 11 bits), so each row of
-x is first scaled by the power of two that brings its absolute max into [512, 1024) (no sum
-reaches fp16's 65504, no normal x underflows), undone at the store; the sums across words and
-chunks are fp32.
+x is first scaled by the power of two that brings its absolute max over the program's K range
+into [512, 1024) (no sum reaches fp16's 65504, no normal x underflows), undone at the store; the
+sums across words and chunks are fp32. Over its own range, not the row: a program with one
+128-row chunk would otherwise read all of x's row for the scale of 128 of its values.
 
 Programs: (N tile, K split). A program owns `block_n` columns as a [16, T, SUB] words tile (T =
 block_n / SUB), so that Triton gives each thread one of the chunk's 16 rows and its x work (the
@@ -122,13 +123,14 @@ def _dot8(words, pairs, part_rows, interpret):
     return [widen(ab, "l"), widen(ab, "h")]
 
 
-def _row_scales(x_ref):
-    """Per row of x: the power of two taking its absolute max into [2^_X_TOP, 2^(_X_TOP + 1))."""
-    k = x_ref.shape[1]
-    ks = jnp.arange(pl.next_power_of_2(k), dtype=jnp.int32)
+def _row_scales(x_ref, start, stop, span):
+    """Per row of x: the power of two taking the absolute max of its columns [start, stop) (a
+    program's K range, at most `span`, a power of two) into [2^_X_TOP, 2^(_X_TOP + 1)); the
+    range is all the program's products see, so other programs' columns need not be read."""
+    ks = start + jnp.arange(span, dtype=jnp.int32)
     scales = []
     for m in range(x_ref.shape[0]):
-        top = jnp.max(jnp.abs(pltriton.load(x_ref.at[m, ks], mask=ks < k, other=0)
+        top = jnp.max(jnp.abs(pltriton.load(x_ref.at[m, ks], mask=ks < stop, other=0)
                               .astype(jnp.float32)))
         scales.append(pow2_scale(top, _X_TOP))
     return scales
@@ -149,7 +151,11 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_
     lanes = jnp.arange(_SLICE, dtype=jnp.int32)
     sum_rows = 32 if group % 64 else 64  # rows of one of _dot8's sums
     sums_per_group = max(1, group // sum_rows) if group < CHUNK_ROWS else CHUNK_ROWS // sum_rows
-    x_scales = _row_scales(x_ref)
+    split = pl.program_id(1)
+    first = split * chunks_per_split
+    last = jnp.minimum(first + chunks_per_split, x_ref.shape[1] // CHUNK_ROWS)
+    x_scales = _row_scales(x_ref, first * CHUNK_ROWS, last * CHUNK_ROWS,
+                           pl.next_power_of_2(chunks_per_split * CHUNK_ROWS))
 
     def chunk(c, carry):  # M x ([16, T, SUB] s x n, [T, SUB] s z x) in x's scaled units
         words = _load(q_ref.at[c * _SLICE + lanes[:, None, None], cols[None]], col_ok[None])
@@ -177,9 +183,6 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_
             out.append((acc, zero))
         return tuple(out)
 
-    split = pl.program_id(1)
-    first = split * chunks_per_split
-    last = jnp.minimum(first + chunks_per_split, x_ref.shape[1] // CHUNK_ROWS)
     carry = jax.lax.fori_loop(first, last, chunk, tuple(
         (jnp.zeros((_SLICE, tiles, sub_n), jnp.float32), jnp.zeros((tiles, sub_n), jnp.float32))
         for _ in range(num_rows)))

@@ -105,6 +105,19 @@ def test_rows_far_from_unit_scale_neither_overflow_nor_underflow(magnitude):
     check(int4_gemv(*args, interpret=True), args, q)
 
 
+def test_each_split_scales_x_by_its_own_range():
+    """x's first half ~3e4 against zero weights (n = z = 0: an exact 0), its second ~1e-6: the
+    second split keeps x's relative precision only if its scale comes from its own range (the
+    whole row's would take its products below fp16's normal range)."""
+    args, q = random_inputs(11, 1, 1024, 64, 128, jnp.float32)
+    x, packed, scales, zeros = args
+    x = x.at[:, :512].multiply(3e4 / jnp.max(jnp.abs(x[:, :512]))).at[:, 512:].multiply(1e-6)
+    q[:512] = 0
+    zeros = zeros.at[:4].set(0)
+    args = (x, jnp.asarray(pack_int4(q)), scales, zeros)
+    check(int4_gemv(*args, splits=2, block_n=64, interpret=True), args, q)
+
+
 @pytest.mark.parametrize("group", [16, 96])
 def test_groups_that_do_not_tile_a_chunk_are_refused(group):
     args, _ = random_inputs(0, 1, 384, 32, group, jnp.bfloat16)
