@@ -110,7 +110,7 @@ def test_each_split_scales_x_by_its_own_range():
     second split keeps x's relative precision only if its scale comes from its own range (the
     whole row's would take its products below fp16's normal range)."""
     args, q = random_inputs(11, 1, 1024, 64, 128, jnp.float32)
-    x, packed, scales, zeros = args
+    x, _, scales, zeros = args
     x = x.at[:, :512].multiply(3e4 / jnp.max(jnp.abs(x[:, :512]))).at[:, 512:].multiply(1e-6)
     q[:512] = 0
     zeros = zeros.at[:4].set(0)

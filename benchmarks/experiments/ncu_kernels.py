@@ -6,8 +6,9 @@ streams below the copy bandwidth: memory, issue, latency, occupancy).
         -o DIR/prof python benchmarks/experiments/ncu_kernels.py [--cases NAME ...]
 
 Cases: attention over 512 sequences x 1536 tokens of bf16 and of float8 pages (the decode
-bucket; float8 also at other tiles), and a prefill bucket's on float8 pages; the int4 (group 128) and FP8 one-token GEMVs on the four projections. Every program is
-compiled before any launches, and each case is launched once.
+bucket; float8 also at other tiles), and a prefill bucket's on float8 pages; the int4 (group
+128) and FP8 one-token GEMVs on the four projections. Every program is compiled before any
+launches, and each case is launched once.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import sys
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import gemv_gpu  # noqa: E402  (sets XLA_FLAGS: each kernel launched on its own)
+import fp8_kv_attention_gpu  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import fp8_gemv, int4_gemv  # noqa: E402
 from pallas_kernels.bench import HEADS, attn_args, random_batch  # noqa: E402
-from pallas_kernels.ragged_paged_attention import (_triton_attention,  # noqa: E402
-                                                   ragged_paged_attention)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 
@@ -38,17 +39,15 @@ def attention_case(cache: str, num_seqs: int = 512, ctx: int = 1536, **tiles):
     return (lambda *a: ragged_paged_attention(*a, sm_scale=0.088, **scale, **tiles)), attn_args(b)
 
 
-def mixed_case(decode_block_k: int | None):
+def mixed_case(**decode_tiles):
     """A prefill bucket on float8 pages: 511 decodes at 1536 and a 1536-token prompt; the
-    entry's two launches, the decodes' at their default tiles or at decode_block_k."""
+    entry's two launches (fp8_kv_attention_gpu's "split" variant), the decodes' at their
+    default tiles or at decode_block_k."""
     q_lens, kv_lens = [1] * 511 + [1536], [1536] * 512
     b = random_batch(jax.random.key(0), q_lens, kv_lens, num_tokens=2048, **HEADS)
     b = dict(b, k_cache=b["k_cache"].astype(FP8), v_cache=b["v_cache"].astype(FP8))
-    kw = dict(sm_scale=0.088, k_scale=2.0)
-    if decode_block_k is None:
-        return (lambda *a: ragged_paged_attention(*a, **kw)), attn_args(b)
-    return (lambda *a: _triton_attention(*a, only="prefill", **kw, out=_triton_attention(
-        *a, only="decode", block_k=decode_block_k, **kw))), attn_args(b)
+    kw = dict(only="split", **decode_tiles)
+    return (lambda *a: fp8_kv_attention_gpu.attention(a[0], a, "fp8", False, kw)), attn_args(b)
 
 
 def gemv_case(weights: str, proj: str):
@@ -66,7 +65,7 @@ CASES = {"attn_bf16": lambda: attention_case("bf16"), "attn_fp8": lambda: attent
          **{f"attn_fp8_{name}": (lambda t=t: attention_case("fp8", **t)) for name, t in (
              ("k64", dict(block_k=64)), ("k256", dict(block_k=256)),
              ("s3", dict(block_k=128, num_stages=3)))},
-         "mixed_fp8": lambda: mixed_case(None), "mixed_fp8_k64": lambda: mixed_case(64),
+         "mixed_fp8": mixed_case, "mixed_fp8_k64": lambda: mixed_case(decode_block_k=64),
          **{f"{w}_{p}": (lambda w=w, p=p: gemv_case(w, p))
             for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")}}
 
