@@ -8,7 +8,8 @@ device needs), device-bound when it waits at most steps.
 
     python benchmarks/engine_timeline.py --out DIR --workload 1000,1000,1000 --max-num-seqs 512 \
         --quantization fp8 --kv-cache-dtype fp8
-    python benchmarks/engine_timeline.py --cpu --out DIR    # tiny random model, a test
+    python benchmarks/engine_timeline.py --cpu --out DIR --workload 100,100,64 \
+        --max-model-len 256    # tiny random model: the host's stages and collections
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ class Timeline:
     def __init__(self, profiler: cProfile.Profile | None = None) -> None:
         self.profiler = profiler
         self.steps: list[dict] = []
-        self.gc_s = 0.0
-        self.gc_count = defaultdict(int)
+        self.gc_pauses: dict[int, list[float]] = defaultdict(list)  # generation -> seconds
         self._gc_start = 0.0
 
     def attach(self, llm: LLM) -> None:
@@ -87,8 +87,7 @@ class Timeline:
         if phase == "start":
             self._gc_start = time.perf_counter()
         else:
-            self.gc_s += time.perf_counter() - self._gc_start
-            self.gc_count[info["generation"]] += 1
+            self.gc_pauses[info["generation"]].append(time.perf_counter() - self._gc_start)
 
     def summary(self, wall_s: float) -> dict:
         steps = [s for s in self.steps if s["seqs"]]
@@ -99,7 +98,10 @@ class Timeline:
         totals = {k: round(sum(s[k] for s in steps), 3) for k in STAGES}
         return dict(wall_s=round(wall_s, 3), steps=len(steps), decode_steps=len(decode),
                     total_s=totals, host_s=round(sum(totals.values()) - totals["wait"], 3),
-                    gc_s=round(self.gc_s, 3), gc_collections=dict(self.gc_count),
+                    gc_s=round(sum(map(sum, self.gc_pauses.values())), 3),
+                    gc_by_generation={g: dict(count=len(p), s=round(sum(p), 3),
+                                              max_ms=round(1e3 * max(p), 2))
+                                      for g, p in sorted(self.gc_pauses.items())},
                     mean_ms_all=mean_ms(steps), mean_ms_decode=mean_ms(decode),
                     mean_ms_mixed=mean_ms([s for s in steps if s["tokens"] > s["seqs"]]))
 
@@ -158,7 +160,7 @@ def main() -> None:
         kw["max_num_batched_tokens"] = cli.max_num_batched_tokens
     if cli.cpu:
         from quant_gpu import _tiny_llama_dir
-        llm = LLM(_tiny_llama_dir(), max_model_len=256, enforce_eager=True, **kw)
+        llm = LLM(_tiny_llama_dir(), max_model_len=cli.max_model_len, enforce_eager=True, **kw)
     else:
         llm = LLM(cli.model, load_format="dummy", dtype="bfloat16",
                   max_model_len=cli.max_model_len, **kw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +34,25 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+class _PromptIds:
+    """vLLM's prompt_token_ids list, made from the engine's array (numpy, or the C ints a
+    generating request keeps) when first read: the conversion costs as much host time per
+    token as the rest of a pooling request, and a list held while a request runs is one more
+    thing for every full garbage collection to walk."""
+    _prompt_token_ids: list[int] | np.ndarray | array
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        if not isinstance(self._prompt_token_ids, list):
+            self._prompt_token_ids = self._prompt_token_ids.tolist()
+        return self._prompt_token_ids
+
+
 @dataclass
-class RequestOutput:
+class RequestOutput(_PromptIds):
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    _prompt_token_ids: list[int] | array
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
@@ -51,18 +66,6 @@ class RequestOutput:
 @dataclass
 class PoolingOutput:
     data: np.ndarray  # the pooler's output: an embedding, class probabilities, or per-token
-
-
-class _PromptIds:
-    """vLLM's prompt_token_ids list, made from the engine's array when first read (the
-    conversion costs as much host time per token as the rest of a pooling request)."""
-    _prompt_token_ids: list[int] | np.ndarray
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        if isinstance(self._prompt_token_ids, np.ndarray):
-            self._prompt_token_ids = self._prompt_token_ids.tolist()
-        return self._prompt_token_ids
 
 
 @dataclass

@@ -51,7 +51,7 @@ def test_incremental_equals_full_decode_and_never_emits_broken_characters(tokeni
     assert stop is None
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == detok.output_text == tokenizer.decode(ids) == text
-    assert detok.token_ids == ids
+    assert list(detok.token_ids) == ids
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -67,7 +67,7 @@ def test_final_only_decodes_once_at_the_end_to_the_same_text(tokenizer, text):
         for i in range(0, len(ids) - 1, 3):
             detok.update(ids[i:min(i + 3, len(ids) - 1)])
         detok.update(ids[-1:], stop_terminated=True)
-    assert deferred.output_text == "" and deferred.token_ids == ids
+    assert deferred.output_text == "" and list(deferred.token_ids) == ids
     assert (deferred.get_next_output_text(finished=True, delta=False)
             == per_step.get_next_output_text(finished=True, delta=False)
             == tokenizer.decode(ids[:-1]))
@@ -92,7 +92,7 @@ def test_stop_token_text_is_left_out_unless_included(tokenizer):
             stop_token_ids=[ids[-1]], include_stop_str_in_output=include))
         detok.update(ids[:-1])
         assert detok.update(ids[-1:], stop_terminated=True) is None
-        assert detok.output_text == want and detok.token_ids == ids
+        assert detok.output_text == want and list(detok.token_ids) == ids
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -103,15 +103,17 @@ def test_chunked_prefill_grants_and_batch_order():
     scheduler.add_request(b)
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("a", 0, 8, [1], False)]
-    assert out.scheduled[0].token_ids == a.prompt_token_ids[0:8] and a.num_computed_tokens == 8
-    assert sample_all(scheduler, out) == [] and a.output_token_ids == []  # a partial prefill
+    assert out.scheduled[0].token_ids == list(a.prompt_token_ids[0:8])
+    assert a.num_computed_tokens == 8
+    assert sample_all(scheduler, out) == [] and list(a.output_token_ids) == []  # a partial prefill
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("a", 8, 8, [1, 2], False)]
     sample_all(scheduler, out)
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("a", 16, 4, [1, 2, 3], True), ("b", 0, 4, [4], False)]
-    assert out.total_num_scheduled_tokens == 8 and out.scheduled[1].token_ids == b.prompt_token_ids[:4]
-    assert sample_all(scheduler, out, token_id=9) == [a] and a.output_token_ids == [9]
+    assert out.total_num_scheduled_tokens == 8
+    assert out.scheduled[1].token_ids == list(b.prompt_token_ids[:4])
+    assert sample_all(scheduler, out, token_id=9) == [a] and list(a.output_token_ids) == [9]
     out = scheduler.schedule()
     assert grants(scheduler, out) == [("a", 20, 1, [1, 2, 3], True), ("b", 4, 2, [4], True)]
     assert out.scheduled[0].token_ids == [9] and out.scheduled[0].num_output_tokens == 1
@@ -175,7 +177,7 @@ def test_preemption_frees_the_newest_request_and_requeues_it_at_the_front():
     # b recomputes its prompt and its sampled token; a's blocks came back as [3, 4, 2, 1].
     assert grants(scheduler, out) == [("b", 0, 10, [3, 4], True), ("c", 0, 2, [2], True)]
     assert [s.new_block_ids for s in out.scheduled] == [[3, 4], [2]]
-    assert out.scheduled[0].token_ids == b.prompt_token_ids + [11]
+    assert out.scheduled[0].token_ids == list(b.prompt_token_ids) + [11]
     assert out.scheduled[0].num_output_tokens == 1 and b.status == RequestStatus.RUNNING
 
 
@@ -297,7 +299,7 @@ def run_to_finish(scheduler, request, token_ids):
         out = scheduler.schedule()
         scheduler.update_from_output(out, {s.request_id: next(tokens) for s in out.scheduled})
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_gpu_blocks - 1
-    return request.output_token_ids
+    return list(request.output_token_ids)
 
 
 @pytest.mark.parametrize("params, tokens, expected_output, status, stop_reason", [
@@ -351,15 +353,15 @@ def test_async_decode_grants_placeholders_with_exact_tokens_and_blocks():
     assert grants(scheduler, out2) == [("a", 7, 1, [1], True)]
     assert out2.scheduled[0].token_ids == [PH] and out2.scheduled[0].num_output_tokens == 1
     assert out2.scheduled[0].new_block_ids == [] and out2.scheduled[0].next_token_id == -1
-    assert a.num_output_placeholders == 2 and a.output_token_ids == []
+    assert a.num_output_placeholders == 2 and list(a.output_token_ids) == []
     assert scheduler.update_from_output(out1, {"a": 11}) == [a]
-    assert a.output_token_ids == [11] and a.num_output_placeholders == 1
+    assert list(a.output_token_ids) == [11] and a.num_output_placeholders == 1
     out3 = scheduler.schedule()  # position 8 opens the second block
     assert grants(scheduler, out3) == [("a", 8, 1, [1, 2], True)]
     assert out3.scheduled[0].token_ids == [PH] and out3.scheduled[0].new_block_ids == [2]
     assert out3.scheduled[0].num_output_tokens == 2
     scheduler.update_from_output(out2, {"a": 12})
-    assert a.all_token_ids == a.prompt_token_ids + [11, 12] and a.num_output_placeholders == 1
+    assert list(a.all_token_ids) == [*a.prompt_token_ids, 11, 12] and a.num_output_placeholders == 1
 
 
 def test_async_eos_finish_drops_the_placeholder_and_frees_blocks():
@@ -376,7 +378,7 @@ def test_async_eos_finish_drops_the_placeholder_and_frees_blocks():
     out3 = scheduler.schedule()
     assert out3.scheduled == [] and out3.finished_req_ids == {"a"}
     assert scheduler.update_from_output(out2, {"a": 7}) == []  # the in-flight token is void
-    assert a.output_token_ids == [2]
+    assert list(a.output_token_ids) == [2]
 
 
 def run_async_to_finish(scheduler, request, token_ids):
@@ -392,7 +394,7 @@ def run_async_to_finish(scheduler, request, token_ids):
                 previous, {s.request_id: next(tokens) for s in previous.scheduled if s.samples})
         previous = out if out.scheduled else None
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_gpu_blocks - 1
-    return request.output_token_ids, steps
+    return list(request.output_token_ids), steps
 
 
 @pytest.mark.parametrize("num_prompt, params, num_outputs", [
@@ -434,12 +436,12 @@ def test_async_preempted_request_gets_its_token_then_recomputes_real_tokens():
     # b's token is still in flight: it is not recomputed before it is known.
     assert scheduler.schedule().scheduled == []
     assert scheduler.update_from_output(out1, {"a": 11, "b": 12}) == [b]
-    assert b.output_token_ids == [12] and b.num_output_placeholders == 0
+    assert list(b.output_token_ids) == [12] and b.num_output_placeholders == 0
     assert scheduler.update_from_output(out2, {"a": 13}) == []  # a was aborted
     out3 = scheduler.schedule()
     # free queue: [3] + a's [4, 2, 1]
     assert grants(scheduler, out3) == [("b", 0, 10, [3, 4], True)]
-    assert out3.scheduled[0].token_ids == b.prompt_token_ids + [12]
+    assert out3.scheduled[0].token_ids == list(b.prompt_token_ids) + [12]
     assert out3.scheduled[0].num_output_tokens == 1
 
 
@@ -466,8 +468,9 @@ def test_a_reused_request_id_does_not_get_the_finished_request_token():
     scheduler.add_request(new)
     out2 = scheduler.schedule()
     assert scheduler.update_from_output(out1, {"x": 6}) == []  # a late (repeated) result
-    assert new.output_token_ids == [] and new.num_output_placeholders == 1
-    assert scheduler.update_from_output(out2, {"x": 7}) == [new] and new.output_token_ids == [7]
+    assert list(new.output_token_ids) == [] and new.num_output_placeholders == 1
+    assert scheduler.update_from_output(out2, {"x": 7}) == [new]
+    assert list(new.output_token_ids) == [7]
 
 
 def test_an_aborted_id_used_again_waits_for_the_steps_in_flight_that_hold_it():
@@ -488,9 +491,9 @@ def test_an_aborted_id_used_again_waits_for_the_steps_in_flight_that_hold_it():
     assert scheduler.update_from_output(out2, {"x": 6}) == []
     out5 = scheduler.schedule()
     assert grants(scheduler, out5) == [("x", 0, 6, [2], True), ("y", 0, 3, [3], True)]
-    assert out5.scheduled[0].token_ids == new.prompt_token_ids
+    assert out5.scheduled[0].token_ids == list(new.prompt_token_ids)
     assert scheduler.update_from_output(out5, {"x": 7, "y": 8}) == [new, scheduler.requests["y"]]
-    assert new.output_token_ids == [7]
+    assert list(new.output_token_ids) == [7]
 
 
 def test_dp_ranks_send_an_id_in_flight_to_the_rank_that_holds_it():
@@ -594,7 +597,7 @@ def test_randomised_run_with_aborts_ends_with_every_block_free(async_order):
         for request in updated:
             expected_tokens[request.request_id].append(sampled[request.request_id])
             in_flight[request.request_id] -= 1
-            assert request.all_token_ids == expected_tokens[request.request_id]
+            assert list(request.all_token_ids) == expected_tokens[request.request_id]
             assert request.num_tokens <= max_model_len
             assert request.num_output_tokens <= (request.sampling_params.max_tokens or 99)
     assert all(r.is_finished() for r in requests)
@@ -634,6 +637,6 @@ def test_a_continuing_request_crosses_to_the_runner_as_a_delta():
         assert len(cached.new_block_ids) <= 1  # at most the block a decode opens
         seen_blocks += cached.new_block_ids
         assert seen_blocks == scheduler.kv_cache_manager.get_block_ids("a")
-        expected = (a.prompt_token_ids + a.output_token_ids)[cached.num_computed_tokens:]
+        expected = (a.prompt_token_ids + a.output_token_ids)[cached.num_computed_tokens:].tolist()
         assert step.scheduled[0].token_ids == expected
-    assert a.output_token_ids == [21, 22, 23, 24, 25, 26]  # step 1 was a partial prefill
+    assert list(a.output_token_ids) == [21, 22, 23, 24, 25, 26]  # step 1 was a partial prefill

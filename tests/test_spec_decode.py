@@ -126,7 +126,7 @@ def test_drafts_are_granted_and_rejected_ones_rolled_back():
     assert len(scheduler.kv_cache_manager.get_block_ids("a")) == 2
     assert request.num_computed_tokens == 11
     scheduler.update_from_output(out, {"a": [8, 11]})  # one draft accepted, then a correction
-    assert request.output_token_ids == [7, 8, 11]
+    assert list(request.output_token_ids) == [7, 8, 11]
     assert request.num_computed_tokens == 9  # the two rejected drafts' slots are rewritten
     stats = scheduler.spec_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
@@ -155,7 +155,7 @@ def test_stop_inside_accepted_run_and_disable_by_batch_size():
     request = decoding_request(scheduler, "a", [1] * 5, stop_token_ids=[9])
     scheduler.update_draft_token_ids({"a": [8, 9, 10]})
     scheduler.update_from_output(scheduler.schedule(), {"a": [8, 9, 10, 4]})
-    assert request.output_token_ids == [7, 8, 9] and request.stop_reason == 9
+    assert list(request.output_token_ids) == [7, 8, 9] and request.stop_reason == 9
     assert scheduler.kv_cache_manager.num_free_blocks == 63  # everything back
     scheduler = make_scheduler(disable_by_batch_size=2)
     for name in "ab":

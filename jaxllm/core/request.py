@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 
 from jaxllm.sampling_params import SamplingParams
 
@@ -38,11 +39,14 @@ class Request:
         # The request it is a child of (n > 1), else its own id: the waiting queue takes turns
         # between parents.
         self.parent_request_id = request_id if parent_request_id is None else parent_request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # Token ids in C int arrays, not lists: a full garbage collection visits every element
+        # of a list (a long prompt is thousands of references, each request holds several),
+        # none of an array's, and while serving such a pause outlasts the step it delays.
+        self.prompt_token_ids = array("i", prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids = array("i")
+        self.all_token_ids = array("i", prompt_token_ids)
         self.num_computed_tokens = 0
         # Tokens granted to be sampled by launched steps whose results are not in yet (async
         # scheduling, as vLLM's num_output_placeholders); they follow all_token_ids.

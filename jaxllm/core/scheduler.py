@@ -47,6 +47,7 @@ running requests and every stage has work.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -65,8 +66,8 @@ class NewRequestData:
     """A request the runner has no state for (newly admitted, or resumed after preemption): all
     it needs, sent once."""
     request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # known outputs: a resumed request recomputes them
+    prompt_token_ids: array  # C ints, as the Request's
+    output_token_ids: array  # known outputs: a resumed request recomputes them
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # tokens already in the KV cache before this step
@@ -309,7 +310,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_reqs.append(NewRequestData(
-                request.request_id, request.prompt_token_ids, request.output_token_ids.copy(),
+                request.request_id, request.prompt_token_ids, request.output_token_ids[:],
                 request.sampling_params,
                 list(self.kv_cache_manager.get_block_ids(request.request_id)),
                 request.num_computed_tokens, request.lora_request))

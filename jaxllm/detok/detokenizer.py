@@ -18,6 +18,7 @@ list order).
 from __future__ import annotations
 
 import logging
+from array import array
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -67,13 +68,13 @@ class IncrementalDetokenizer:
         self.min_tokens = sampling_params.min_tokens
         self.stop_buffer_length = (max(map(len, self.stop)) - 1
                                    if self.stop and not self.include_stop_str_in_output else 0)
-        self.token_ids: list[int] = []  # output tokens only
+        self.token_ids = array("i")  # output tokens only (C ints: no references to collect)
         self.output_text = ""
         # Without stop strings a request that wants only its final output needs no text before
         # it finishes: its tokens wait here and go through the stream then (the same steps).
         self._deferred = (not self.stop and
                          sampling_params.output_kind == RequestOutputKind.FINAL_ONLY)
-        self._pending: list[int] = []  # deferred tokens whose text is not in output_text yet
+        self._pending = array("i")  # deferred tokens whose text is not in output_text yet
         self._streamed_chars = 0
         self.stream = DecodeStream(ids=self._priming_ids(prompt_token_ids),
                                    skip_special_tokens=self.skip_special_tokens)
@@ -85,7 +86,7 @@ class IncrementalDetokenizer:
         if len(prompt_token_ids) <= shortest:
             return list(prompt_token_ids)
         for n in range(shortest, min(len(prompt_token_ids) + 1, longest)):
-            suffix = prompt_token_ids[-n:]
+            suffix = list(prompt_token_ids[-n:])
             if "\ufffd" not in self.tokenizer.decode(suffix, self.skip_special_tokens):
                 return suffix
         return []
@@ -140,7 +141,7 @@ class IncrementalDetokenizer:
         minus the held-back tail that could still turn out to be the start of a stop string."""
         if self._pending:
             self.output_text += "".join(filter(None, map(self._step, self._pending)))
-            self._pending = []
+            self._pending = array("i")
         buffer = 0 if finished else self.stop_buffer_length
         end = len(self.output_text) - buffer
         if not delta:

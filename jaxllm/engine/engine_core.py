@@ -17,6 +17,7 @@ import bisect
 import copy
 import itertools
 import logging
+from array import array
 from collections import deque
 
 import numpy as np
@@ -110,7 +111,8 @@ class EngineCore(LoRAAdmin):
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        self.output_processor.add_request(request_id, prompt, list(prompt_token_ids), children)
+        self.output_processor.add_request(request_id, prompt, array("i", prompt_token_ids),
+                                          children)
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def _validate(self, request_id: str, prompt_token_ids: list[int],

@@ -6,6 +6,7 @@ prompt (and its KV blocks); their parent collects one CompletionOutput per child
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from jaxllm.core.request import Request, RequestStatus
@@ -28,7 +29,7 @@ class ChildState:
 class ParentState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: array  # C ints (see Request)
     children: dict[str, ChildState] = field(default_factory=dict)
     num_unfinished: int = 0
     prompt_logprobs: list | None = None  # PromptLogprobs when asked: [None, {id: Logprob}, ...]
@@ -45,7 +46,7 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.parent_of: dict[str, str] = {}  # child id -> parent id
 
-    def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
+    def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: array,
                     children: list[Request]) -> None:
         parent = ParentState(parent_id, prompt, prompt_token_ids, num_unfinished=len(children),
                              first_child=children[0])

@@ -35,5 +35,5 @@ class NgramProposer(PerRequestProposer):
             matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if matches.size:
                 start = int(matches[0]) + n
-                return token_ids[start:start + k]
+                return list(token_ids[start:start + k])
         return []

@@ -5,6 +5,7 @@ and keeps each request's block table."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from jaxllm.sampling_params import SamplingParams
 class RequestState:
     request_id: str
     num_prompt_tokens: int
-    token_ids: list[int]  # prompt and the outputs this runner has collected
+    token_ids: array  # prompt and the outputs this runner has collected (C ints: see Request)
     sampling_params: SamplingParams
     row: int  # the request's row in the block tables and the sampler's penalty state
     num_computed_tokens: int = 0
@@ -104,9 +105,10 @@ class RequestStates:
                 self.free_rows.append(state.row)
 
     def _add(self, new: NewRequestData) -> RequestState:
-        state = RequestState(new.request_id, len(new.prompt_token_ids),
-                             new.prompt_token_ids + new.output_token_ids, new.sampling_params,
-                             self.free_rows.pop(), new.num_computed_tokens)
+        token_ids = array("i", new.prompt_token_ids)
+        token_ids.extend(new.output_token_ids)
+        state = RequestState(new.request_id, len(new.prompt_token_ids), token_ids,
+                             new.sampling_params, self.free_rows.pop(), new.num_computed_tokens)
         self.states[new.request_id] = state
         self.block_tables.set_row(state.row, new.block_ids)
         return state
@@ -143,7 +145,7 @@ class RequestStates:
         """Appends a step's sampled tokens to a request still held."""
         state = self.states.get(request_id)
         if state is not None:
-            state.token_ids += token_ids
+            state.token_ids.extend(token_ids)
 
 
 def _chunk(state: RequestState, num_tokens: int, drafts: list[int] | None) -> ScheduledChunk:
@@ -151,7 +153,7 @@ def _chunk(state: RequestState, num_tokens: int, drafts: list[int] | None) -> Sc
     num_drafts = len(drafts) if drafts else 0
     end = start + num_tokens - num_drafts
     num_known = len(token_ids)
-    chunk = token_ids[start:end]
+    chunk = token_ids[start:end].tolist()
     if end > num_known:
         chunk += [PLACEHOLDER_TOKEN_ID] * (end - max(start, num_known))
     if num_drafts:
