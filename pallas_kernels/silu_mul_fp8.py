@@ -8,7 +8,8 @@ each reading [T, 2, I] from HBM; this kernel reads it once from HBM and once mor
 Design. One Triton program per block of `block_rows` tokens. A row of I (14,336 for an 8B
 model) does not fit in registers, so the program walks it in `block_cols` chunks twice: the
 first pass keeps the running max of |h|, the second recomputes h (its gate and up reread, now
-from L2) and stores it scaled. Everything is in fp32: the GEMM's output times both scales, the
+from L2) and stores it scaled; a chunk as wide as the row (block_cols >= I) holds h in registers
+and reads the row once. Everything is in fp32: the GEMM's output times both scales, the
 SiLU, the product. Lanes past I and rows past T are masked on load (to 0, so h = 0 there) and
 on store.
 
@@ -64,19 +65,30 @@ def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols):
         u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
         return g / (1 + jnp.exp(-g)) * u, (rows[:, None], cols[None, :]), mask
 
+    def store_scale(amax):  # -> scale [Br]
+        scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+        pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+        return scale
+
+    def store_values(h, scale, tile, mask):
+        q = jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
+        pltriton.store(q_ref.at[tile], q, mask=mask)
+
+    if num_chunks == 1:  # the whole row in registers: read once
+        h, tile, mask = h_chunk(0)
+        store_values(h, store_scale(jnp.max(jnp.abs(h), axis=1)), tile, mask)
+        return
+
     def max_of_chunk(chunk, amax):
         h, _, _ = h_chunk(chunk)
         return jnp.maximum(amax, jnp.max(jnp.abs(h), axis=1))
 
-    amax = jax.lax.fori_loop(0, num_chunks, max_of_chunk,
-                             jnp.zeros(block_rows, jnp.float32))  # [Br]
-    scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX
-    pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+    scale = store_scale(jax.lax.fori_loop(0, num_chunks, max_of_chunk,
+                                          jnp.zeros(block_rows, jnp.float32)))  # [Br]
 
     def store_chunk(chunk, carry):
         h, tile, mask = h_chunk(chunk)
-        q = jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
-        pltriton.store(q_ref.at[tile], q, mask=mask)
+        store_values(h, scale, tile, mask)
         return carry
 
     jax.lax.fori_loop(0, num_chunks, store_chunk, 0)

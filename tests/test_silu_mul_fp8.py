@@ -42,7 +42,8 @@ def numpy_silu_mul_fp8(y, x_scale, w_scale):
 @pytest.mark.parametrize("num_tokens,width,tiles", [
     (9, 200, dict(block_rows=2, block_cols=64)),  # rows and I ragged against the tiles
     (4, 96, dict(block_rows=1, block_cols=32)),
-    (3, 64, dict()),  # one chunk wider than I
+    (3, 64, dict()),  # one chunk wider than I: the row read once
+    (5, 200, dict(block_rows=2, block_cols=256)),  # the same, rows ragged
 ])
 def test_kernel_matches_reference(num_tokens, width, tiles):
     args = random_inputs(num_tokens, num_tokens, width)
@@ -123,11 +124,31 @@ def test_kernel_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
     for tokens, width, dtype, tiles in [(256, 14336, jnp.bfloat16, {}),
                                         (1, 8960, jnp.float32, dict(block_rows=4)),
-                                        (2048, 1536, jnp.bfloat16, dict(block_cols=512))]:
+                                        (2048, 1536, jnp.bfloat16, dict(block_cols=512)),
+                                        (512, 14336, jnp.bfloat16,
+                                         dict(block_cols=16384, num_warps=16))]:
         text = lower_for_h200(functools.partial(silu_mul_fp8, **tiles),
                               sds((tokens, 2 * width), dtype), sds((tokens,), jnp.float32),
                               sds((2 * width,), jnp.float32))
         assert "silu_mul_fp8" in text
+
+
+def test_a_row_in_one_chunk_is_read_once(monkeypatch):
+    """y's gate and up halves are loaded once a chunk a pass: twice in all when the row is one
+    chunk, four times (two passes over a chunk loop) when it is wider."""
+    from jax._src.pallas.triton import lowering
+    modules, lower = [], lowering.lower_jaxpr_to_triton_module
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module",
+                        lambda *a, **k: modules.append(lower(*a, **k)) or modules[-1])
+    sds = jax.ShapeDtypeStruct
+
+    def y_loads(width):
+        lower_for_h200(silu_mul_fp8, sds((512, 2 * width), jnp.bfloat16),
+                       sds((512,), jnp.float32), sds((2 * width,), jnp.float32))
+        return sum("tt.load" in line and "ptr<bf16>" in line
+                   for line in str(modules[-1].module).splitlines())
+
+    assert (y_loads(1536), y_loads(14336)) == (2, 4)
 
 
 def test_fp8_mlp_lowers_with_the_kernel_between_two_fp8_dots(monkeypatch):

@@ -24,7 +24,8 @@ from pallas_kernels.ceilings import measure_ceilings
 from pallas_kernels.silu_mul_fp8 import silu_mul_fp8, silu_mul_fp8_reference
 
 TILES = [dict(block_rows=r, block_cols=c, num_warps=w) for r, c, w in (
-    (1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 4), (4, 1024, 4), (4, 2048, 8))]
+    (1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 4), (4, 1024, 4),
+    (4, 2048, 8), (1, 16384, 8), (1, 16384, 16), (1, 16384, 32))]  # the last three: one read
 
 
 def xla_path(y, x_scale, w_scale):
@@ -39,11 +40,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--tokens", help="token counts, comma-separated (default: all)")
     cli = parser.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     width = 256 if cli.cpu else 14336
     token_counts = (1, 8) if cli.cpu else (1, 64, 256, 512, 2048)
-    sweep_at = () if cli.cpu else (256, 2048)
+    if cli.tokens:
+        token_counts = tuple(int(t) for t in cli.tokens.split(","))
+    sweep_at = () if cli.cpu else (256, 512, 2048)
     copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
     rows = []
     for tokens in token_counts:
