@@ -6,7 +6,9 @@ channel, the weights widened in registers and x never quantised.
   scale  [N]     fp32, per output channel
   ->     [M, N]  in x's dtype: y[m, n] = scale[n] * sum_k x[m, k] * values[n, k], fp32 math
   norm_weight [K] (optional, x's dtype): x is first RMS-normalised (`rms_norm_reference`, a
-                 decoder's input norm), so the norm costs no kernel of its own
+                 decoder's input norm), so the norm costs no kernel of its own: x times the
+                 norm's weight is rounded to x's dtype once and the RMS divides the fp32 sum
+                 (the reference rounds twice, as HF's norm)
 
 With few rows the product is a weight read: each weight is used M times, so the work is to
 stream `values` at HBM bandwidth and to spend few instructions per weight byte.
@@ -80,49 +82,50 @@ def _weights(v_ref, cols, col_ok, ks, k_ok):
                          other=0.0, eviction_policy="evict_first")
 
 
-def _norm_factors(x_ref, eps):
-    """RMSNorm's rsqrt(mean(x[m]^2) + eps) per row of x, fp32, from x's whole rows."""
-    k_total = x_ref.shape[1]
-    ks = jnp.arange(pl.next_power_of_2(k_total), dtype=jnp.int32)
-    factors = []
-    for m in range(x_ref.shape[0]):
-        xm = pltriton.load(x_ref.at[m, ks], mask=ks < k_total, other=0).astype(jnp.float32)
-        factors.append(jax.lax.rsqrt(jnp.sum(xm * xm) / k_total + eps))
-    return factors
-
-
 def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps):
     """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores.
-    refs: (norm_weight [K], o_ref) with a norm (eps not None), else (o_ref,)."""
-    *norm_ref, o_ref = refs
+    refs: (o_ref,), or with a norm (eps not None) (norm_weight [K], o_ref), then sumsq_ref
+    [splits, M] when K is split. With a norm the loop multiplies x by the norm's weight and
+    sums x^2 over the split's K range as it goes: one split divides by the RMS itself, several
+    leave their sums to the wrapper (no program reads x's whole row up front). x * weight is
+    rounded to x's dtype before it changes layout: so the loop holds no more registers (and an
+    SM no fewer programs) than without a norm."""
+    norm_ref, (o_ref, *sumsq_ref) = (None, refs) if eps is None else (refs[0], refs[1:])
+    sumsq_ref = sumsq_ref[0] if sumsq_ref else None
     num_rows, k_total = x_ref.shape
     cols, col_ok, split, first, last = _tiles(v_ref, block_n, block_k, steps_per_split)
     groups = block_k // _VECTOR
     lanes = (jnp.arange(groups, dtype=jnp.int32)[:, None] * _VECTOR
              + jnp.arange(_VECTOR, dtype=jnp.int32)[None, :])  # [G, 16]
-    factors = _norm_factors(x_ref, eps) if norm_ref else None
 
-    def x_tile(m, ks, k_ok):  # x[m, ks] (normalised, with a norm) as fp32
-        xm = pltriton.load(x_ref.at[m, ks], mask=k_ok, other=0)
-        if factors is not None:  # the unfused norm's two roundings to x's dtype
-            xm = (xm.astype(jnp.float32) * factors[m]).astype(xm.dtype)
-            weight = pltriton.load(norm_ref[0].at[ks], mask=k_ok, other=0)
-            xm = (weight.astype(jnp.float32) * xm.astype(jnp.float32)).astype(xm.dtype)
-        return xm.astype(jnp.float32)
-
-    def step(s, acc):  # acc: M x [Bn, G]
+    def step(s, carry):  # acc: M x [Bn, G]; sumsq: M x [G, 16] with a norm, else ()
+        acc, sumsq = carry
         ks = s * block_k + lanes
         k_ok = ks < k_total
         w = _weights(v_ref, cols, col_ok, ks, k_ok).astype(jnp.float32)  # [Bn, G, 16]
-        return tuple(acc[m] + jnp.sum(w * x_tile(m, ks, k_ok)[None], axis=2)
-                     for m in range(num_rows))
+        xs = [pltriton.load(x_ref.at[m, ks], mask=k_ok, other=0) for m in range(num_rows)]
+        if norm_ref is not None:
+            sumsq = tuple(q + jnp.square(x.astype(jnp.float32)) for q, x in zip(sumsq, xs))
+            weight = pltriton.load(norm_ref.at[ks], mask=k_ok, other=0).astype(jnp.float32)
+            xs = [(x.astype(jnp.float32) * weight).astype(x.dtype) for x in xs]
+        return tuple(a + jnp.sum(w * x.astype(jnp.float32)[None], axis=2)
+                     for a, x in zip(acc, xs)), sumsq
 
-    acc = jax.lax.fori_loop(first, last, step, tuple(
-        jnp.zeros((block_n, groups), jnp.float32) for _ in range(num_rows)))
+    zeros = lambda shape: tuple(jnp.zeros(shape, jnp.float32) for _ in range(num_rows))  # noqa: E731
+    acc, sumsq = jax.lax.fori_loop(first, last, step, (
+        zeros((block_n, groups)), zeros((groups, _VECTOR)) if norm_ref is not None else ()))
     scale = pltriton.load(s_ref.at[cols], mask=col_ok, other=0)
     for m in range(num_rows):
-        pltriton.store(o_ref.at[split, m, cols],
-                       (jnp.sum(acc[m], axis=1) * scale).astype(o_ref.dtype), mask=col_ok)
+        y = jnp.sum(acc[m], axis=1) * scale
+        if norm_ref is not None and sumsq_ref is None:  # one split: x's whole row was seen
+            y = y * jax.lax.rsqrt(jnp.sum(sumsq[m]) / k_total + eps)
+        pltriton.store(o_ref.at[split, m, cols], y.astype(o_ref.dtype), mask=col_ok)
+    if sumsq_ref is not None:  # every N tile of a split sums the same x: its first stores
+
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            for m in range(num_rows):
+                pltriton.store(sumsq_ref.at[split, jnp.int32(m)], jnp.sum(sumsq[m]))
 
 
 def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
@@ -160,13 +163,21 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
                          f">= {_VECTOR}")
     splits = splits or default_splits(n, k, block_n, block_k)
     norm = () if norm_weight is None else (norm_weight,)
+    out_shape = [jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32)]
+    if norm and splits > 1:
+        out_shape.append(jax.ShapeDtypeStruct((splits, m), jnp.float32))  # sums of x^2
     out = pl.pallas_call(
         functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
                           steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits),
                           eps=eps if norm else None),
         grid=(pl.cdiv(n, block_n), splits),
-        out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="fp8_gemv",
     )(x, values, scale.astype(jnp.float32), *norm)
-    return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    if splits == 1:
+        return out[0][0]
+    y = jnp.sum(out[0], axis=0)
+    if norm:
+        y = y * jax.lax.rsqrt(jnp.sum(out[1], axis=0) / k + eps)[:, None]
+    return y.astype(x.dtype)

@@ -12,7 +12,7 @@ Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, d
   128, scales over a decade, asymmetric zero points; the GEMV's sweep: block_n 64 / 128 / 256 x
   num_warps 4 / 8 x splits the default, half it, twice it. Reference:
   quant_matmul.int4_matmul_reference.
-- fp8: the W8A16 GEMV (pallas_kernels/fp8_gemv.py), also with the input RMSNorm as its prologue
+- fp8: the W8A16 GEMV (pallas_kernels/fp8_gemv.py), also with the input RMSNorm inside it
   on qkv and gate/up (as the engine runs them); the GEMV's sweep: block_n 16 / 32 / 64 x
   block_k 256 / 512 x num_warps 4 / 8 x splits the default, twice it. Reference:
   fp8_gemv.fp8_gemv_reference.

@@ -147,8 +147,8 @@ def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight: jax.Array | None = None,
 
 
 def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w) -> jax.Array:
-    """linear(rms_norm(x, norm_weight, eps), w): where the FP8 GEMV runs, the norm is its
-    prologue (one kernel, not three: the norm's reduction and scaling, then the GEMV)."""
+    """linear(rms_norm(x, norm_weight, eps), w): where the FP8 GEMV runs, the norm runs inside
+    it (one kernel, not three: the norm's reduction and scaling, then the GEMV)."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x) and norm_weight.dtype == x.dtype:
         return _fp8_gemv(x, w, norm_weight, eps)
     return linear(rms_norm(x, norm_weight, eps), w)
