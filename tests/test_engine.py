@@ -467,6 +467,31 @@ def test_running_requests_give_a_full_collection_little_to_walk(llm):
     assert walked < 3 * sum(map(len, prompts)) // 2, walked
 
 
+def test_serving_steps_set_off_few_garbage_collections(llm):
+    """A step allocates thousands of objects that die within a step or two: at Python's default
+    young threshold they set off young collections every step, which promote the live ones and
+    so, in time, full collections. The engine raises the threshold."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=40, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    generations = []
+
+    def record(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        for index, prompt in enumerate(random_prompts(11, 9, 300, lengths=(20, 60))):
+            engine.add_request(f"gc-{index}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        gc.callbacks.remove(record)
+    assert_all_blocks_free(llm)
+    assert len(generations) <= 2, generations  # 108 young ones at Python's default
+
+
 def test_an_aborted_id_used_again_while_its_step_is_in_flight(llm):
     """Aborting leaves the async engine's last step in flight; a new request under the same id
     must not take that step's token as its own (vLLM lets an aborted id be used again)."""

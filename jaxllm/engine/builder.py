@@ -32,6 +32,8 @@ from jaxllm.worker.model_runner import ModelRunner
 from jaxllm.worker.pipeline import FrontStage, Pipeline
 
 logger = logging.getLogger("jaxllm")
+# Tracked objects allocated (net of those freed) before a young collection; Python's is 700
+YOUNG_COLLECTION_OBJECTS = 50_000
 
 
 def make_engine(engine_args: EngineArgs | EngineConfig, log=logger.info):
@@ -111,8 +113,12 @@ def _assemble_core(config: EngineConfig, sharded: ShardedModel, dp_size: int, nu
         runner.warmup(progress=log)
     # As vLLM: what start-up allocated leaves the collector's generations, so a full collection
     # while serving scans only what serving allocates (a long one stalls the step pipeline).
+    # And a young collection waits for many more new objects than Python's default: each step
+    # allocates thousands that die within a step or two, every young collection promoted those
+    # still alive, and the promoted garbage set off the full collections.
     gc.collect()
     gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_OBJECTS, *gc.get_threshold()[1:])
     return core
 
 
