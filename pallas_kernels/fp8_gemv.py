@@ -111,9 +111,12 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
         return tuple(a + jnp.sum(w * x.astype(jnp.float32)[None], axis=2)
                      for a, x in zip(acc, xs)), sumsq
 
-    zeros = lambda shape: tuple(jnp.zeros(shape, jnp.float32) for _ in range(num_rows))  # noqa: E731
+    def per_row_zeros(shape):
+        return tuple(jnp.zeros(shape, jnp.float32) for _ in range(num_rows))
+
     acc, sumsq = jax.lax.fori_loop(first, last, step, (
-        zeros((block_n, groups)), zeros((groups, _VECTOR)) if norm_ref is not None else ()))
+        per_row_zeros((block_n, groups)),
+        per_row_zeros((groups, _VECTOR)) if norm_ref is not None else ()))
     scale = pltriton.load(s_ref.at[cols], mask=col_ok, other=0)
     for m in range(num_rows):
         y = jnp.sum(acc[m], axis=1) * scale
