@@ -17,7 +17,6 @@ import bisect
 import copy
 import itertools
 import logging
-from array import array
 from collections import deque
 
 import numpy as np
@@ -111,7 +110,8 @@ class EngineCore(LoRAAdmin):
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        self.output_processor.add_request(request_id, prompt, array("i", prompt_token_ids),
+        # the children's prompt array, shared: nothing writes to a prompt
+        self.output_processor.add_request(request_id, prompt, children[0].prompt_token_ids,
                                           children)
         self.prompt_tokens_total += len(prompt_token_ids)
 
