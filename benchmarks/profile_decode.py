@@ -153,7 +153,13 @@ def main() -> None:
     parser.add_argument("--num-adapters", type=int, default=1,
                         help="with --lora-rank: a workload's prompts spread over this many "
                              "adapters (max_loras)")
+    parser.add_argument("--unstacked", action="store_true",
+                        help="the layers' small arrays one buffer a layer (no layer_stacks): "
+                             "what the stacks save in dispatch")
     a = parser.parse_args()
+    if a.unstacked:
+        from jaxllm.engine import model_setup
+        model_setup.stack_layers = lambda params: params
     if a.pallas_kv_write:
         from pallas_kernels import kv_write  # the A/B: the engine takes write_kv when built
         kv_write.write_kv = kv_write.write_kv_pallas
@@ -183,7 +189,8 @@ def main() -> None:
         traced = measure_decode_step(engine, batch, a.context, a.steps, around_timed_steps=(
             lambda d=trace_dir: jax.profiler.trace(d, create_perfetto_trace=True)),
             lora_request=lora)
-        timing = {"batch": batch, "wall_ms_per_step": traced["mean_step_ms"],
+        timing = {"batch": batch, "param_buffers": len(jax.tree.leaves(engine.runner.params)),
+                  "wall_ms_per_step": traced["mean_step_ms"],
                   "untraced_wall_ms_per_step": untraced["mean_step_ms"],
                   **kernel_summary(trace_dir, a.steps, a.top)}
         results[f"b{batch}"] = timing

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench import roofline
+from jaxllm.models.layer_stacks import stack_layers
 from jaxllm.models.quant import QUANTIZED_NAMES, Int4Weight
 
 PRESET = "llama-3.1-8b"
@@ -56,7 +57,8 @@ def random_int4(params: dict, group: int = 128) -> dict:
                 layer[name] = Int4Weight(qweight, scales, zeros, None, k)
                 w.delete()
         layers.append(layer)
-    return {**params, "layers": layers}
+    out = {**params, "layers": layers}
+    return stack_layers(out) if "layer_stacks" in params else out  # as the engine stacks
 
 
 def use_random_int4(engine) -> None:

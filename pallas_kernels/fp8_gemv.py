@@ -9,6 +9,8 @@ channel, the weights widened in registers and x never quantised.
                  decoder's input norm), so the norm costs no kernel of its own: x times the
                  norm's weight is rounded to x's dtype once and the RMS divides the fp32 sum
                  (the reference rounds twice, as HF's norm)
+  scale and norm_weight may also come stacked across layers, [L, N] and [L, K] (stacked.py),
+  read at row `layer`
 
 With few rows the product is a weight read: each weight is used M times, so the work is to
 stream `values` at HBM bandwidth and to spend few instructions per weight byte.
@@ -38,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.stacked import check_stacked, prefix
 
 FP8 = jnp.float8_e4m3fn
 _VECTOR = 16  # fp8 values one thread loads at once (16 bytes)
@@ -82,7 +86,7 @@ def _weights(v_ref, cols, col_ok, ks, k_ok):
                          other=0.0, eviction_policy="evict_first")
 
 
-def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps):
+def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps, layer):
     """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores.
     refs: (o_ref,), or with a norm (eps not None) (norm_weight [K], o_ref), then sumsq_ref
     [splits, M] when K is split. With a norm the loop multiplies x by the norm's weight and
@@ -93,6 +97,7 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
     norm_ref, (o_ref, *sumsq_ref) = (None, refs) if eps is None else (refs[0], refs[1:])
     sumsq_ref = sumsq_ref[0] if sumsq_ref else None
     num_rows, k_total = x_ref.shape
+    norm_row = None if norm_ref is None else prefix(norm_ref, 1, layer)
     cols, col_ok, split, first, last = _tiles(v_ref, block_n, block_k, steps_per_split)
     groups = block_k // _VECTOR
     lanes = (jnp.arange(groups, dtype=jnp.int32)[:, None] * _VECTOR
@@ -106,7 +111,8 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
         xs = [pltriton.load(x_ref.at[m, ks], mask=k_ok, other=0) for m in range(num_rows)]
         if norm_ref is not None:
             sumsq = tuple(q + jnp.square(x.astype(jnp.float32)) for q, x in zip(sumsq, xs))
-            weight = pltriton.load(norm_ref.at[ks], mask=k_ok, other=0).astype(jnp.float32)
+            weight = pltriton.load(norm_ref.at[(*norm_row, ks)], mask=k_ok,
+                                   other=0).astype(jnp.float32)
             xs = [(x.astype(jnp.float32) * weight).astype(x.dtype) for x in xs]
         return tuple(a + jnp.sum(w * x.astype(jnp.float32)[None], axis=2)
                      for a, x in zip(acc, xs)), sumsq
@@ -117,7 +123,7 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
     acc, sumsq = jax.lax.fori_loop(first, last, step, (
         per_row_zeros((block_n, groups)),
         per_row_zeros((groups, _VECTOR)) if norm_ref is not None else ()))
-    scale = pltriton.load(s_ref.at[cols], mask=col_ok, other=0)
+    scale = pltriton.load(s_ref.at[(*prefix(s_ref, 1, layer), cols)], mask=col_ok, other=0)
     for m in range(num_rows):
         y = jnp.sum(acc[m], axis=1) * scale
         if norm_ref is not None and sumsq_ref is None:  # one split: x's whole row was seen
@@ -139,23 +145,26 @@ def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     return pl.cdiv(steps, pl.cdiv(steps, splits))  # no split left empty
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_n", "block_k", "num_warps",
+@functools.partial(jax.jit, static_argnames=("eps", "layer", "block_n", "block_k", "num_warps",
                                              "num_stages", "splits", "interpret"))
 def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
              norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
-             block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-             num_stages: int = 3, splits: int | None = None,
-             interpret: bool = False) -> jax.Array:
+             layer: int | None = None, block_n: int | None = None,
+             block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+             splits: int | None = None, interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. block_n (channels a
     program) and block_k (the K tile) are powers of two; num_stages: the K loop's pipeline
-    depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits."""
+    depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits. layer: the row of a
+    stacked scale or norm_weight."""
     (m, k), (n, k_values) = x.shape, values.shape
-    if k != k_values or scale.shape != (n,) or values.dtype != FP8:
-        raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}, scale "
-                         f"{scale.shape}: want [M, K], [N, K] float8_e4m3fn, [N]")
-    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype):
-        raise ValueError(f"norm_weight {norm_weight.shape} {norm_weight.dtype}: want [{k}] "
-                         f"{x.dtype}, x's dtype")
+    if k != k_values or values.dtype != FP8:
+        raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}: want [M, K], "
+                         f"[N, K] float8_e4m3fn")
+    check_stacked("scale", scale, (n,), layer)
+    if norm_weight is not None:
+        check_stacked("norm_weight", norm_weight, (k,), layer)
+        if norm_weight.dtype != x.dtype:
+            raise ValueError(f"norm_weight {norm_weight.dtype}: want x's dtype {x.dtype}")
     if jnp.dtype(x.dtype) not in _DTYPES:
         raise ValueError(f"x's dtype {x.dtype}: bfloat16, float16 or float32")
     # the loop takes whole 16-byte groups
@@ -172,7 +181,7 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
     out = pl.pallas_call(
         functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
                           steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits),
-                          eps=eps if norm else None),
+                          eps=eps if norm else None, layer=layer),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

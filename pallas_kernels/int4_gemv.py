@@ -8,6 +8,7 @@ multiplied by x's pairs, x never quantised, no dot.
   scales  [K // group, N]  x's dtype; group 32, 64 or a multiple of 128
   zeros   [K // group, N]  uint8
   ->      [M, N]           in x's dtype: quant_matmul.int4_matmul_reference's contract
+  (scales and zeros may also come stacked across layers, read at row `layer`: stacked.py)
 
 With few rows the product is a weight read (half a byte a weight, a scale and a zero point a
 group): the work is to stream qweight at HBM bandwidth, and the CUDA cores' issue rate bounds it
@@ -51,6 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import quant_matmul
 from pallas_kernels.half2 import asm, pow2_scale, widen
 from pallas_kernels.quant_matmul import CHUNK_ROWS
+from pallas_kernels.stacked import prefix
 
 _SLICE = 16  # a chunk's rows per nibble: the words tile's rows
 # Tiles from the H200 sweep (experiments/gemv_gpu.py): 128 columns at 4 warps, and K cut
@@ -137,7 +139,7 @@ def _row_scales(x_ref, start, stop, span):
 
 
 def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_per_split,
-            interpret):
+            interpret, layer):
     """o_ref [splits, M, N]: this split's x @ w over its chunks, for one N tile held as
     [16, T, SUB] words (T = block_n / SUB), so that Triton gives each thread one of the 16 rows
     and its x work serves 4T columns. The zero points' share, s z sum_k x, accumulates per
@@ -156,14 +158,15 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_
     last = jnp.minimum(first + chunks_per_split, x_ref.shape[1] // CHUNK_ROWS)
     x_scales = _row_scales(x_ref, first * CHUNK_ROWS, last * CHUNK_ROWS,
                            pl.next_power_of_2(chunks_per_split * CHUNK_ROWS))
+    s_row, z_row = prefix(s_ref, 2, layer), prefix(z_ref, 2, layer)
 
     def chunk(c, carry):  # M x ([16, T, SUB] s x n, [T, SUB] s z x) in x's scaled units
         words = _load(q_ref.at[c * _SLICE + lanes[:, None, None], cols[None]], col_ok[None])
         num_groups = CHUNK_ROWS // (sum_rows * sums_per_group)
         groups = [(c * CHUNK_ROWS + g * CHUNK_ROWS // num_groups) // group
                   for g in range(num_groups)]
-        s = [_load(s_ref.at[g, cols], col_ok).astype(jnp.float32) for g in groups]
-        sz = [si * _load(z_ref.at[g, cols], col_ok).astype(jnp.float32)
+        s = [_load(s_ref.at[(*s_row, g, cols)], col_ok).astype(jnp.float32) for g in groups]
+        sz = [si * _load(z_ref.at[(*z_row, g, cols)], col_ok).astype(jnp.float32)
               for si, g in zip(s, groups)]
         out = []
         for m in range(num_rows):
@@ -205,17 +208,17 @@ def default_splits(n: int, k: int, block_n: int) -> int:
     return _whole_splits(chunks, min(splits, chunks))
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "splits", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "block_n", "splits", "num_warps",
+                                             "num_stages", "interpret"))
 def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Array, *,
-              block_n: int | None = None, splits: int | None = None,
+              layer: int | None = None, block_n: int | None = None, splits: int | None = None,
               num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = 3,
               interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `int4_gemv_reference`'s contract. block_n: columns a program
     (a power of two, at least 16; default DEFAULT_BLOCK_N); splits: K ranges (default
     default_splits, a count leaving a range empty lowered to the fewest of the same length);
-    num_warps, num_stages: Triton's."""
-    group = quant_matmul._check(x, qweight, scales, zeros)
+    num_warps, num_stages: Triton's. layer: the row of stacked scales and zeros."""
+    group = quant_matmul._check(x, qweight, scales, zeros, layer)
     if group not in (32, 64) and group % CHUNK_ROWS:
         raise ValueError(f"group size {group}: 32, 64 or a multiple of {CHUNK_ROWS}")
     (m, k), n = x.shape, qweight.shape[1]
@@ -228,7 +231,8 @@ def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Ar
     out = pl.pallas_call(
         functools.partial(_kernel, group=group, block_n=block_n,
                           sub_n=min(block_n, _SUB_N_PER_WARP * num_warps),
-                          chunks_per_split=pl.cdiv(chunks, splits), interpret=interpret),
+                          chunks_per_split=pl.cdiv(chunks, splits), interpret=interpret,
+                          layer=layer),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -9,7 +9,8 @@ The packed layout (loaders convert GPTQ and AWQ checkpoints to it on the host, i
   scales  [K // group, N]     the group's scale (x's dtype)
   zeros   [K // group, N]     uint8, the group's zero point (8 for symmetric checkpoints)
   w[k, n] = (q[k, n] - zeros[k // group, n]) * scales[k // group, n]
-K must be a multiple of 128 and the group a multiple of 16 (GPTQ/AWQ use 32, 64, 128, or all
+scales and zeros may also come stacked across layers, [L, K // group, N] (stacked.py), read at
+row `layer`. K must be a multiple of 128 and the group a multiple of 16 (GPTQ/AWQ use 32, 64, 128, or all
 of K), so each 16-row slice lies in one group.
 
 Zero point and scale leave the per-weight path: over the rows k of one group g,
@@ -38,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.stacked import check_stacked, prefix
 
 CHUNK_ROWS = 128  # rows of one chunk of 16 words
 _SLICE = 16  # rows per nibble of a chunk
@@ -83,15 +86,20 @@ def int4_matmul_reference(x, qweight, scales, zeros) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _check(x, qweight, scales, zeros) -> int:
+def _check(x, qweight, scales, zeros, layer: int | None = None) -> int:
+    """The group size; ValueError for shapes that do not fit (scales and zeros [K // group, N],
+    or stacked [L, K // group, N] with `layer`)."""
     m, k = x.shape
     k8, n = qweight.shape
     if k != 8 * k8 or k % CHUNK_ROWS:
         raise ValueError(f"x {x.shape} and qweight {qweight.shape}: K must be 8 * qweight rows "
                          f"and a multiple of {CHUNK_ROWS}")
-    if scales.shape != zeros.shape or scales.shape[1] != n or k % scales.shape[0]:
+    groups = scales.shape[-2] if scales.ndim >= 2 else 0
+    if not groups or k % groups:
         raise ValueError(f"scales {scales.shape} and zeros {zeros.shape} must be [K // group, {n}]")
-    group = k // scales.shape[0]
+    check_stacked("scales", scales, (groups, n), layer)
+    check_stacked("zeros", zeros, (groups, n), layer)
+    group = k // groups
     if group % _SLICE:
         raise ValueError(f"group size {group} must be a multiple of {_SLICE}")
     if jnp.dtype(x.dtype) not in _ONE_PLUS_NIBBLE:
@@ -111,7 +119,8 @@ def _one_plus_nibble(words, j: int, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_m, block_n, chunks_per_split):
+def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_m, block_n, chunks_per_split,
+            layer):
     """o_ref [splits, M, N]: this split's x @ w over its K range, for one [BM, BN] tile."""
     m_total = x_ref.shape[0]
     n_total = q_ref.shape[1]
@@ -126,8 +135,10 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_m, block_n, chunk
     def correct(acc, part, xsum, k0):
         """acc + the part's rows' x @ w: part [BM, BN] = x . (1 + q / 16), xsum [BM] = sum(x)."""
         g = k0 // group
-        scale = pltriton.load(s_ref.at[g, cols], mask=col_ok, other=0).astype(jnp.float32)
-        zero = pltriton.load(z_ref.at[g, cols], mask=col_ok, other=0).astype(jnp.float32)
+        scale = pltriton.load(s_ref.at[(*prefix(s_ref, 2, layer), g, cols)], mask=col_ok,
+                              other=0).astype(jnp.float32)
+        zero = pltriton.load(z_ref.at[(*prefix(z_ref, 2, layer), g, cols)], mask=col_ok,
+                             other=0).astype(jnp.float32)
         return acc + (16 * scale)[None, :] * (part - (1 + zero / 16)[None, :] * xsum[:, None])
 
     def chunk(c, acc):
@@ -177,23 +188,25 @@ def num_k_splits(m: int, k: int, n: int, block_m: int, block_n: int,
     return pl.cdiv(steps, pl.cdiv(steps, splits))  # no split left empty
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_warps", "splits",
-                                             "interpret"))
-def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None,
+@functools.partial(jax.jit, static_argnames=("layer", "block_m", "block_n", "num_warps",
+                                             "splits", "interpret"))
+def int4_matmul(x, qweight, scales, zeros, *, layer: int | None = None,
+                block_m: int | None = None,
                 block_n: int | None = None, num_warps: int = 4, splits: int | None = None,
                 interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; same contract as `int4_matmul_reference` (closer to the
     exact product: no weight is rounded to x's dtype). One program: a [block_m, block_n] output
     tile over one K split, looping a chunk (16 words, 128 rows) at a time. block_n: default
-    default_block_n; splits: K splits (default num_k_splits)."""
-    group = _check(x, qweight, scales, zeros)
+    default_block_n; splits: K splits (default num_k_splits); layer: the row of stacked scales
+    and zeros."""
+    group = _check(x, qweight, scales, zeros, layer)
     (m, k), n = x.shape, qweight.shape[1]
     block_m = block_m or (16 if m <= 16 else 64)
     block_n = block_n or default_block_n(m, k, n)
     splits = splits or num_k_splits(m, k, n, block_m, block_n)
     chunks_per_split = pl.cdiv(k // CHUNK_ROWS, splits)
     kernel = functools.partial(_kernel, group=group, block_m=block_m, block_n=block_n,
-                               chunks_per_split=chunks_per_split)
+                               chunks_per_split=chunks_per_split, layer=layer)
     out = pl.pallas_call(
         kernel, grid=(pl.cdiv(m, block_m), pl.cdiv(n, block_n), splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),

@@ -15,7 +15,8 @@ on store.
 
   y       [T, 2 * I]  the GEMM's output, gate columns then up columns (the fused [T, 2, I])
   x_scale [T]         fp32, the GEMM's per-token activation scale
-  w_scale [2 * I]     fp32, its per-output-channel weight scale
+  w_scale [2 * I]     fp32, its per-output-channel weight scale (or stacked across layers,
+                      [L, 2 * I], read at row `layer`: stacked.py)
   ->  values [T, I] float8_e4m3fn, scale [T] fp32: h ~ values * scale
 """
 
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.stacked import check_stacked, prefix
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -43,7 +46,7 @@ def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array,
     return jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
-def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols):
+def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols, layer):
     """y_ref [T, 2I], xs_ref [T], ws_ref [2I] -> q_ref [T, I], s_ref [T] for this program's
     rows."""
     num_rows, width = q_ref.shape
@@ -51,6 +54,7 @@ def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols):
     row_ok = rows < num_rows
     x_scale = pltriton.load(xs_ref.at[rows], mask=row_ok, other=0)  # [Br]
     num_chunks = pl.cdiv(width, block_cols)
+    ws_row = prefix(ws_ref, 1, layer)
 
     def h_chunk(chunk):  # -> h [Br, Bc] (0 on masked lanes), its tile and mask
         cols = chunk * block_cols + jnp.arange(block_cols, dtype=jnp.int32)  # [Bc]
@@ -59,8 +63,8 @@ def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols):
         gate = pltriton.load(y_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
         up = pltriton.load(y_ref.at[rows[:, None], (cols + width)[None, :]], mask=mask,
                            other=0)
-        gate_scale = pltriton.load(ws_ref.at[cols], mask=col_ok, other=0)
-        up_scale = pltriton.load(ws_ref.at[cols + width], mask=col_ok, other=0)
+        gate_scale = pltriton.load(ws_ref.at[(*ws_row, cols)], mask=col_ok, other=0)
+        up_scale = pltriton.load(ws_ref.at[(*ws_row, cols + width)], mask=col_ok, other=0)
         g = gate.astype(jnp.float32) * x_scale[:, None] * gate_scale[None, :]
         u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
         return g / (1 + jnp.exp(-g)) * u, (rows[:, None], cols[None, :]), mask
@@ -94,22 +98,24 @@ def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols):
     jax.lax.fori_loop(0, num_chunks, store_chunk, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "block_cols", "num_warps",
+@functools.partial(jax.jit, static_argnames=("layer", "block_rows", "block_cols", "num_warps",
                                              "interpret"))
-def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *, block_rows: int = 1,
-                 block_cols: int = 2048, num_warps: int = 4,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
+                 layer: int | None = None, block_rows: int = 1, block_cols: int = 2048,
+                 num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """y [T, 2 * I] (fp16/bf16/fp32), x_scale [T], w_scale [2 * I] fp32 -> (values [T, I]
     float8_e4m3fn, scale [T] fp32): `silu_mul_fp8_reference`'s contract. block_rows (tokens a
-    program), block_cols (a chunk of I, a power of two) and num_warps are the tile knobs."""
+    program), block_cols (a chunk of I, a power of two) and num_warps are the tile knobs;
+    layer: the row of a stacked w_scale."""
     num_rows, double_width = y.shape
-    if double_width % 2 or x_scale.shape != (num_rows,) or w_scale.shape != (double_width,):
-        raise ValueError(f"y {y.shape} must be [T, 2 * I] with x_scale [T] and w_scale "
-                         f"[2 * I]; got {x_scale.shape}, {w_scale.shape}")
+    if double_width % 2 or x_scale.shape != (num_rows,):
+        raise ValueError(f"y {y.shape} must be [T, 2 * I] with x_scale [T]; got "
+                         f"{x_scale.shape}")
+    check_stacked("w_scale", w_scale, (double_width,), layer)
     width = double_width // 2
     block_cols = min(block_cols, pl.next_power_of_2(width))
     return pl.pallas_call(
-        functools.partial(_kernel, block_rows=block_rows, block_cols=block_cols),
+        functools.partial(_kernel, block_rows=block_rows, block_cols=block_cols, layer=layer),
         grid=(pl.cdiv(num_rows, block_rows),),
         out_shape=(jax.ShapeDtypeStruct((num_rows, width), FP8),
                    jax.ShapeDtypeStruct((num_rows,), jnp.float32)),

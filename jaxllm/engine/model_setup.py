@@ -13,6 +13,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
 from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.models.attention import attention_backend
+from jaxllm.models.layer_stacks import stack_layers
 from jaxllm.models.quant import quantize_params_fp8
 from jaxllm.sharding.mesh import make_mesh, stage_meshes, validate_model_parallelism
 from jaxllm.sharding.pipeline import PipelinePlan
@@ -51,7 +52,8 @@ def engine_mesh(config: EngineConfig) -> Mesh | None:
 
 def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     """Loads the model onto `mesh` (each device reading only its shards), fuses its projections
-    into the compute layout (jaxllm/models/fused.py) and binds forward to the sharded args, the
+    into the compute layout (jaxllm/models/fused.py), on one device stacks the layers' small
+    arrays (jaxllm/models/layer_stacks.py) and binds forward to the sharded args, the
     attention backend and the KV write."""
     model = config.model_config
     attn, write_kv = attention_backend(config.runner_config.attention_backend)
@@ -63,6 +65,7 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
         loaded.params = fuse_params(loaded.params, loaded.args.num_kv_heads, free_inputs=True)
         if fp8_at_load:
             loaded.params = quantize_params_fp8(loaded.params)
+        loaded.params = stack_layers(loaded.params)
         return ShardedModel(loaded, loaded.args, partial(forward, args=loaded.args, attn=attn,
                                                          write_kv=write_kv), None)
     expert_parallel = config.parallel_config.enable_expert_parallel

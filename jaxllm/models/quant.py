@@ -31,15 +31,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.models.layer_stacks import in_place, value
 from pallas_kernels import fp8_gemv, int4_gemv, quant_matmul, silu_mul_fp8
-from pallas_kernels.fp8_gemv import rms_norm_reference as rms_norm
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
@@ -55,7 +55,8 @@ GEMV_MAX_TOKENS = 1
 @dataclass
 class Fp8Weight:
     values: jax.Array  # [*out, K] float8_e4m3fn
-    scale: jax.Array  # [*out] float32
+    scale: jax.Array  # [*out] float32 (a layer_stacks.Row in the step, None when stacked)
+    STACKED_FIELDS: ClassVar[tuple[str, ...]] = ("scale",)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -87,12 +88,19 @@ class Int4Weight:
     # the plain [K, *out] weight's PartitionSpec entries when placed on a mesh, else ()
     partition: tuple = field(default=(), metadata=dict(static=True))
 
+    STACKED_FIELDS: ClassVar[tuple[str, ...]] = ("scales", "zeros", "perm")
+
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.in_features, *self.qweight.shape[1:])
 
 
 QUANTIZED = (Fp8Weight, Fp8Experts, Int4Weight)
+
+
+def rms_norm(x: jax.Array, weight, eps: float) -> jax.Array:
+    """fp8_gemv.rms_norm_reference (HF's RMSNorm), the weight an array or a layer_stacks.Row."""
+    return fp8_gemv.rms_norm_reference(x, value(weight), eps)
 
 
 def is_quantized(w) -> bool:
@@ -115,7 +123,7 @@ def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
 def _fp8_w8a8(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x quantised per token, one FP8 x FP8 dot, then both scales."""
     xq, x_scale = quantize_fp8_rows(x)
-    return _fp8_scaled(_fp8_dot(xq, w, x.dtype), x_scale, w.scale, x.dtype)
+    return _fp8_scaled(_fp8_dot(xq, w, x.dtype), x_scale, value(w.scale), x.dtype)
 
 
 def fp8_gemv_applies(x: jax.Array) -> bool:
@@ -132,23 +140,35 @@ def has_gemv_weights(params) -> bool:
     return any(isinstance(leaf, kinds) for leaf in leaves)
 
 
-def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight: jax.Array | None = None,
-              eps: float = 0.0) -> jax.Array:
+def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0) -> jax.Array:
     """x [T, K] @ w -> [T, *out] by the GEMV kernel (its reference off the GPU), w's output
     axes flattened (free on one device); given norm_weight, x RMS-normalised first, in the
-    kernel."""
+    kernel. A stacked scale or norm weight (layer_stacks.Row) is read in place."""
     out_shape = w.values.shape[:-1]
-    values, scale = w.values.reshape(-1, w.values.shape[-1]), w.scale.reshape(-1)
-    if jax.default_backend() == "gpu":
-        y = fp8_gemv.fp8_gemv(x, values, scale, norm_weight, eps=eps)
-    else:
-        y = fp8_gemv.fp8_gemv_reference(x, values, scale, norm_weight, eps)
+    values = w.values.reshape(-1, w.values.shape[-1])
+    if jax.default_backend() != "gpu":
+        y = fp8_gemv.fp8_gemv_reference(x, values, value(w.scale).reshape(-1),
+                                        value(norm_weight), eps)
+        return y.reshape(x.shape[0], *out_shape)
+    (scale, scale_layer), (norm, norm_layer) = in_place(w.scale), in_place(norm_weight)
+    layer = _one_layer(scale_layer, norm_layer)
+    scale = scale.reshape(*scale.shape[:scale.ndim - len(out_shape)], -1)  # [(L,) N]
+    y = fp8_gemv.fp8_gemv(x, values, scale, norm, eps=eps, layer=layer)
     return y.reshape(x.shape[0], *out_shape)
 
 
-def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, w) -> jax.Array:
-    """linear(rms_norm(x, norm_weight, eps), w): where the FP8 GEMV runs, the norm runs inside
-    it (one kernel, not three: the norm's reduction and scaling, then the GEMV)."""
+def _one_layer(*layers: int | None) -> int | None:
+    """The layer of a kernel's stacked operands (all one layer's, by construction)."""
+    found = {layer for layer in layers if layer is not None}
+    if len(found) > 1:
+        raise ValueError(f"operands of one call from different layers: {sorted(found)}")
+    return found.pop() if found else None
+
+
+def norm_linear(x: jax.Array, norm_weight, eps: float, w) -> jax.Array:
+    """linear(rms_norm(x, norm_weight, eps), w) (norm_weight an array or a layer_stacks.Row):
+    where the FP8 GEMV runs, the norm runs inside it (one kernel, not three: the norm's
+    reduction and scaling, then the GEMV)."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x) and norm_weight.dtype == x.dtype:
         return _fp8_gemv(x, w, norm_weight, eps)
     return linear(rms_norm(x, norm_weight, eps), w)
@@ -191,11 +211,15 @@ def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight) -> jax.Arr
     (pallas_kernels/silu_mul_fp8.py), where XLA spends two passes over it."""
     xq, x_scale = quantize_fp8_rows(x)
     y = _fp8_dot(xq, w_gate_up, x.dtype)  # [T, 2, I]
-    quantize = (silu_mul_fp8.silu_mul_fp8 if jax.default_backend() == "gpu"
-                else silu_mul_fp8.silu_mul_fp8_reference)
-    hq, h_scale = quantize(y.reshape(y.shape[0], -1), x_scale[:, 0],
-                           w_gate_up.scale.reshape(-1))
-    return _fp8_scaled(_fp8_dot(hq, w_down, x.dtype), h_scale, w_down.scale, x.dtype)
+    if jax.default_backend() == "gpu":
+        w_scale, layer = in_place(w_gate_up.scale)
+        hq, h_scale = silu_mul_fp8.silu_mul_fp8(
+            y.reshape(y.shape[0], -1), x_scale[:, 0],
+            w_scale.reshape(*w_scale.shape[:w_scale.ndim - 2], -1), layer=layer)
+    else:
+        hq, h_scale = silu_mul_fp8.silu_mul_fp8_reference(
+            y.reshape(y.shape[0], -1), x_scale[:, 0], value(w_gate_up.scale).reshape(-1))
+    return _fp8_scaled(_fp8_dot(hq, w_down, x.dtype), h_scale, value(w_down.scale), x.dtype)
 
 
 def on_one_device() -> bool:
@@ -208,6 +232,7 @@ def on_one_device() -> bool:
 def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
     if not w.partition:
         return _int4_local(x, w.qweight, w.scales, w.zeros, w.perm)
+    # placed on a mesh: never stacked (layer_stacks is for one device)
     k_axis, out_axes = w.partition[0], w.partition[1:]
     rows = P(*w.partition)
     perm = () if w.perm is None else (w.perm,)
@@ -226,18 +251,20 @@ def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
 
 
 def _int4_local(x, qweight, scales, zeros, perm=None) -> jax.Array:
-    """One device's product: its rows of the packed matrix (K padded to qweight's rows)."""
+    """One device's product: its rows of the packed matrix (K padded to qweight's rows);
+    scales, zeros and perm arrays or layer_stacks.Rows (the kernels read those in place)."""
     if perm is not None:
-        x = x[:, perm]
+        x = x[:, value(perm)]
     x = jnp.pad(x, ((0, 0), (0, 8 * qweight.shape[0] - x.shape[1])))
+    flat = lambda a: a.reshape(*a.shape[:a.ndim + 1 - qweight.ndim], -1)  # [(L,) rows, N]
     if jax.default_backend() != "gpu":
-        matmul = quant_matmul.int4_matmul_reference
-    elif x.shape[0] <= GEMV_MAX_TOKENS:
-        matmul = int4_gemv.int4_gemv
-    else:
-        matmul = quant_matmul.int4_matmul
-    flat = lambda a: a.reshape(a.shape[0], -1)
-    y = matmul(x, flat(qweight), flat(scales), flat(zeros))
+        y = quant_matmul.int4_matmul_reference(x, flat(qweight), flat(value(scales)),
+                                               flat(value(zeros)))
+        return y.reshape(x.shape[0], *qweight.shape[1:])
+    matmul = int4_gemv.int4_gemv if x.shape[0] <= GEMV_MAX_TOKENS else quant_matmul.int4_matmul
+    (scales, layer), (zeros, zeros_layer) = in_place(scales), in_place(zeros)
+    y = matmul(x, flat(qweight), flat(scales), flat(zeros),
+               layer=_one_layer(layer, zeros_layer))
     return y.reshape(x.shape[0], *qweight.shape[1:])
 
 
@@ -275,14 +302,15 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
         return (w.values.astype(jnp.float32) * w.scale[:, None, :]).astype(dtype)
     if isinstance(w, Fp8Weight):
         values = jnp.moveaxis(w.values, -1, 0).astype(jnp.float32)
-        return (values * w.scale).astype(dtype)
+        return (values * value(w.scale)).astype(dtype)
     if isinstance(w, Int4Weight):
         flat = lambda a: a.reshape(a.shape[0], -1)
-        dense = quant_matmul.dequantize_int4(flat(w.qweight), flat(w.scales), flat(w.zeros))
+        dense = quant_matmul.dequantize_int4(flat(w.qweight), flat(value(w.scales)),
+                                             flat(value(w.zeros)))
         slices = dense.reshape(w.k_shards, -1, dense.shape[1])  # each slice's padding dropped
         dense = slices[:, :w.in_features // w.k_shards].reshape(w.in_features, -1)
         if w.perm is not None:  # row i of the packed matrix is input row perm[i]
-            dense = jnp.zeros_like(dense).at[w.perm].set(dense)
+            dense = jnp.zeros_like(dense).at[value(w.perm)].set(dense)
         return dense.reshape(w.shape).astype(dtype)
     return w.astype(dtype)
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxllm.models.args import ModelArgs
 from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" MLPs)
+from jaxllm.models.layer_stacks import layer_views
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
 from jaxllm.models.lora import TokenLoRA
 from jaxllm.models.quant import linear, norm_linear
@@ -112,11 +113,12 @@ def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelAr
 
     Compute runs in the params' dtype; norms, rope and softmax accumulate in fp32. With LoRA,
     params["lora"] holds every layer's adapter stacks (models/lora.py) and batch.lora_slots
-    each token's slot.
+    each token's slot; params["layer_stacks"], when there, the layers' stacked entries
+    (models/layer_stacks.py).
     """
     x = embed_tokens(params, batch)
     aux = []
-    x, new_caches = run_layers(params["layers"], kv_caches, x, batch, args=args, attn=attn,
+    x, new_caches = run_layers(layer_views(params), kv_caches, x, batch, args=args, attn=attn,
                                write_kv=write_kv, loras=params.get("lora"),
                                capture=dict.fromkeys(aux_layers, aux))
     outputs = final_outputs(params, x, batch, new_caches, args=args, return_hidden=return_hidden)

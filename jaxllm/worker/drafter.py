@@ -38,6 +38,7 @@ import numpy as np
 from jaxllm.models import eagle
 from jaxllm.models.args import ModelArgs
 from jaxllm.models.batch import StepBatch
+from jaxllm.models.layer_stacks import layer_views
 from jaxllm.models.transformer import embed_tokens, forward, run_layers
 from jaxllm.worker.packing import PackLayout, pack, unpack
 from pallas_kernels.kv_write import write_kv_reference
@@ -109,7 +110,7 @@ class ModelDraft:
     def first(self, params, target_params, kv_cache, batch: StepBatch, last, next_token,
               features, attn):
         """Pass 1 only writes the KV (no logits): the first draft follows the sampled token."""
-        _, kv_cache = run_layers(params["layers"], kv_cache, embed_tokens(params, batch), batch,
+        _, kv_cache = run_layers(layer_views(params), kv_cache, embed_tokens(params, batch), batch,
                                  args=self.args, attn=attn, write_kv=write_kv_reference)
         return [], next_token, None, kv_cache
 
