@@ -6,9 +6,12 @@ on an FP8 cache and 13.1 ms on bf16: docs/lab/, session 13).
     python benchmarks/experiments/fp8_kv_attention_gpu.py --out DIR [--cpu]
 
 Cases: decode, 512 sequences x 1536 tokens and 8 x 8192 (KV splits); a mixed prefill bucket
-(511 decodes at 1536 and a 1536-token prompt, 2048 tokens). Each FP8 output against the fp32
-reference of the same cache; times by `ceilings.time_chain`; % of the copy bandwidth for the
-cache bytes read.
+(511 decodes at 1536 and a 1536-token prompt, 2048 tokens); and the 512 x 1536 decode's bytes
+as 4,096 sequences of one KV head (4 q heads) each: a program then reads its pages as contiguous
+runs (16 tokens x 128 dims, 2 KB in float8) where the cache's [page, token, head, dim] layout
+gives it 128-byte pieces 1 KB apart, the locality of a head-major page layout (TensorRT-LLM's)
+without changing the kernel. Each FP8 output against the fp32 reference of the same cache;
+times by `ceilings.time_chain`; % of the copy bandwidth for the cache bytes read.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def variants(case: str, cpu: bool) -> list[tuple[str, dict]]:
                 ("fp8", dict(only="split", decode_block_k=64))]
     if cpu:
         return [("bf16", {}), ("fp8", {})]
-    if case.startswith("decode 8"):  # KV splits
+    if case.startswith("decode 8") or "one KV head" in case:  # KV splits; the locality probe
         return [("bf16", {}), ("fp8", {}), ("fp8", dict(block_k=64))]
     return [("bf16", {}), ("fp8", {}), ("fp8", dict(block_k=64)), ("fp8", dict(block_k=256)),
             ("fp8", dict(num_stages=3))]
@@ -62,17 +65,22 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true")
     cli = parser.parse_args()
     os.makedirs(cli.out, exist_ok=True)
-    cases = {"cpu decode": ([1] * 8, [64] * 8), "mixed cpu": ([1] * 8 + [24], [64] * 9)
+    one_head = dict(HEADS, num_q_heads=HEADS["num_q_heads"] // HEADS["num_kv_heads"],
+                    num_kv_heads=1)
+    cases = {"cpu decode": ([1] * 8, [64] * 8, HEADS),
+             "mixed cpu": ([1] * 8 + [24], [64] * 9, HEADS),
+             "cpu decode, one KV head a sequence": ([1] * 16, [64] * 16, one_head),
              } if cli.cpu else {
-        "decode 512x1536": ([1] * 512, [1536] * 512),
-        "decode 8x8192": ([1] * 8, [8192] * 8),
-        "mixed 511 decodes + 1536 new": ([1] * 511 + [1536], [1536] * 511 + [1536])}
+        "decode 512x1536": ([1] * 512, [1536] * 512, HEADS),
+        "decode 4096x1536, one KV head a sequence": ([1] * 4096, [1536] * 4096, one_head),
+        "decode 8x8192": ([1] * 8, [8192] * 8, HEADS),
+        "mixed 511 decodes + 1536 new": ([1] * 511 + [1536], [1536] * 511 + [1536], HEADS)}
     copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
     rows = []
-    for case, (q_lens, kv_lens) in cases.items():
+    for case, (q_lens, kv_lens, heads) in cases.items():
         # two copies at most: a float8 cache stays under the 2 GiB the kernel can address
         b = random_batch(jax.random.key(0), q_lens, kv_lens, copies=1 if cli.cpu else 2,
-                         num_tokens=_bucket(sum(q_lens)), max_seqs=len(q_lens), **HEADS)
+                         num_tokens=_bucket(sum(q_lens)), max_seqs=len(q_lens), **heads)
         b8 = dict(b, k_cache=(b["k_cache"] * 0.5).astype(FP8), v_cache=b["v_cache"].astype(FP8))
         batches = {"bf16": b, "fp8": b8}
         refs = {"fp8": ragged_paged_attention_reference(*attn_args(b8), sm_scale=0.088,
@@ -91,7 +99,7 @@ def main() -> None:
                 return ({"rel_err": rel_err(out[:live], refs[cache][:live])}
                         if cache in refs else {})
             row = timed_variant(dict(case=case, cache=cache, **kw), check, call, batch["q"], batch,
-                                nbytes=kv_bytes(kv_lens, HEADS, 2 if cache == "bf16" else 1),
+                                nbytes=kv_bytes(kv_lens, heads, 2 if cache == "bf16" else 1),
                                 copy_GBps=copy)
             print(json.dumps(row), flush=True)
             rows.append(row)

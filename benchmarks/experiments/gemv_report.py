@@ -45,23 +45,27 @@ def write_ttir(a) -> None:
     lower_for_h200, modules = lower_capturing_ttir()
     sds = jax.ShapeDtypeStruct
     x = sds((a.m, a.k), jnp.bfloat16)
+    # the product's single-device layout: per-layer small operands stacked, read at a row
+    lead, layer = ((a.layers,), a.layers - 1) if a.layers else ((), None)
     if a.kernel == "int4":
         from pallas_kernels.int4_gemv import DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, int4_gemv
         kernel = int4_gemv
         a.block_n, a.num_warps = a.block_n or DEFAULT_BLOCK_N, a.num_warps or DEFAULT_NUM_WARPS
         groups = a.k // a.group
         lower_for_h200(functools.partial(kernel, block_n=a.block_n, num_warps=a.num_warps,
-                                         splits=a.splits), x, sds((a.k // 8, a.n), jnp.int32),
-                       sds((groups, a.n), jnp.bfloat16), sds((groups, a.n), jnp.uint8))
+                                         splits=a.splits, layer=layer),
+                       x, sds((a.k // 8, a.n), jnp.int32), sds((*lead, groups, a.n), jnp.bfloat16),
+                       sds((*lead, groups, a.n), jnp.uint8))
         weights = 128 * a.block_n  # a 128-row chunk of the tile
     else:
         from pallas_kernels.fp8_gemv import DEFAULT_TILE, FP8, fp8_gemv
         kernel = fp8_gemv
         a.block_n, a.block_k = a.block_n or DEFAULT_TILE[0], a.block_k or DEFAULT_TILE[1]
         a.num_warps = a.num_warps or 4
+        norm = (sds((*lead, a.k), jnp.bfloat16),) if a.norm else ()
         lower_for_h200(functools.partial(kernel, block_n=a.block_n, block_k=a.block_k,
-                                         num_warps=a.num_warps, splits=a.splits),
-                       x, sds((a.n, a.k), FP8), sds((a.n,), jnp.float32))
+                                         num_warps=a.num_warps, splits=a.splits, layer=layer),
+                       x, sds((a.n, a.k), FP8), sds((*lead, a.n), jnp.float32), *norm)
         weights = a.block_n * a.block_k  # a K tile
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernel.ttir"), "w") as f:
@@ -150,6 +154,10 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, help="fp8's K tile")
     parser.add_argument("--num-warps", type=int)
     parser.add_argument("--splits", type=int)
+    parser.add_argument("--layers", type=int, default=32,
+                        help="scales (zeros, norm) stacked across this many layers, read at the "
+                             "last, as on one device; 0: one layer's own arrays")
+    parser.add_argument("--norm", action="store_true", help="fp8: the input norm inside")
     parser.add_argument("--out", default="/tmp/gemv_report")
     parser.add_argument("--triton-python", help="the triton venv's python: compile and report")
     parser.add_argument("--compile", help="(triton's Python) a --out directory to report on")
