@@ -3,6 +3,7 @@ and what is not, the buffers it saves, a step's logits unchanged (bf16, FP8, int
 references and the GPU's kernels in interpret mode), the kernels reading the stacks in place
 (no slice of a stack in a one-token FP8 step), and single-device engines built with them."""
 
+import dataclasses
 import functools
 
 import jax
@@ -36,15 +37,16 @@ def int4_of(w: jax.Array, rng) -> quant.Int4Weight:
                             jnp.asarray(rng.permutation(k), jnp.int32), k)
 
 
-def make_params(kind: str, seed: int = 0) -> dict:
-    """A tiny Llama in the compute layout, norm weights random (never all ones), its projections
-    bf16, FP8 or int4."""
+def make_params(kind: str, seed: int = 0, args: ModelArgs = ARGS) -> dict:
+    """A tiny Llama in the compute layout, norm weights and KV scales random (never all ones),
+    its projections bf16, FP8 or int4."""
     rng = np.random.default_rng(seed)
-    params = dummy_params(ARGS, jnp.bfloat16, seed=seed)
+    params = dummy_params(args, jnp.bfloat16, seed=seed)
     for layer in params["layers"]:
-        for name in ("attn_norm", "mlp_norm"):
-            layer[name] = jnp.asarray(rng.uniform(0.2, 3.0, ARGS.hidden_size), jnp.bfloat16)
-    params = fuse_params(params, ARGS.num_kv_heads)
+        for name, value in layer.items():
+            if name.endswith(("norm", "scale")):
+                layer[name] = jnp.asarray(rng.uniform(0.2, 3.0, value.shape), value.dtype)
+    params = fuse_params(params, args.num_kv_heads)
     if kind == "fp8":
         params = quant.quantize_params_fp8(params)
     elif kind == "int4":
@@ -132,6 +134,23 @@ def test_stacked_step_gives_the_same_logits(kind, num_tokens):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_biases_qk_norms_and_kv_scales_stack_too():
+    """Qwen-style q/k/v and o biases, q/k norms and a checkpoint's static KV scales (an FP8
+    cache): stacked, and the step's logits and float8 pages as before, bit for bit."""
+    args = dataclasses.replace(ARGS, qkv_bias=True, o_bias=True, qk_norm=True,
+                               kv_cache_scales=True)
+    params = make_params("fp8", args=args)
+    stacked = stack_layers(copy_params(params))
+    assert {"bqkv", "bo", "q_norm", "k_norm", "k_scale", "v_scale"} <= set(stacked["layer_stacks"])
+    cache, batch = step(5)
+    cache = [tuple(c.astype(quant.FP8) for c in pair) for pair in cache]
+    want, want_cache = transformer.forward(params, cache, batch, args=args)
+    got, got_cache = transformer.forward(stacked, cache, batch, args=args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])

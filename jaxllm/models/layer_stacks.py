@@ -2,11 +2,11 @@
 
 A jitted step's dispatch costs the GPU client host time for every argument buffer, and at
 batch 1 the host is what a step waits on. The big matrices stay one array a layer; the small
-arrays (norm weights, a quantised weight's scales, zero points and act-order permutation) make
-up most of a decoder's buffers, so on one device the engine moves them into
-params["layer_stacks"]: a key per entry ("attn_norm", or "wqkv.scale" for a field of a
-quantised weight) -> [L, ...], the layers' own entries removed (a quantised weight's field set
-to None).
+arrays (norm weights, biases, static KV scales, a quantised weight's scales, zero points and
+act-order permutation) make up most of a decoder's buffers, so on one device the engine moves
+them into params["layer_stacks"]: a key per entry ("attn_norm", or "wqkv.scale" for a field
+of a quantised weight) -> [L, ...], the layers' own entries removed (a quantised weight's
+field set to None).
 
 The step reads the layers through `layer_views`, which gives back each layer's dict with a
 `Row` (the stack and the layer's index) where an entry was stacked. jnp code reads `value(row)`,
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 # Plain entries stacked when every layer holds one of the same shape and dtype; a quantised
 # weight's class names its own in STACKED_FIELDS.
-STACKED_NAMES = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
+STACKED_NAMES = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "bqkv", "bo", "k_scale",
+                 "v_scale")
 
 
 @jax.tree_util.register_dataclass

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxllm.models.args import ModelArgs
 from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" MLPs)
-from jaxllm.models.layer_stacks import layer_views
+from jaxllm.models.layer_stacks import layer_views, value
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
 from jaxllm.models.lora import TokenLoRA
 from jaxllm.models.quant import linear, norm_linear
@@ -54,7 +54,7 @@ def param_shapes(args: ModelArgs) -> dict:
 
 def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
     out = linear(x, layer[w])
-    return out + layer[b] if b in layer else out
+    return out + value(layer[b]) if b in layer else out
 
 
 def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = None):
@@ -69,7 +69,7 @@ def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = No
         if lora is not None:
             qkv = lora.add(qkv, h, "qkv")
     if "bqkv" in layer:
-        qkv = qkv + layer["bqkv"]
+        qkv = qkv + value(layer["bqkv"])
     group = args.num_heads // args.num_kv_heads
     q = qkv[:, :, :group].reshape(x.shape[0], args.num_heads, args.head_dim)
     return q, qkv[:, :, group], qkv[:, :, group + 1]
@@ -89,12 +89,13 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
     # p @ v = (p @ pages' v) * v_scale.
     scaled = "k_scale" in layer and k_cache.dtype == jnp.float8_e4m3fn
     if scaled:
-        q, k, v = q * layer["k_scale"], k / layer["k_scale"], v / layer["v_scale"]
+        k_scale, v_scale = value(layer["k_scale"]), value(layer["v_scale"])
+        q, k, v = q * k_scale, k / k_scale, v / v_scale
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
     out = attn(q, k_cache, v_cache, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
                batch.num_seqs, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window)
     if scaled:
-        out = out * layer["v_scale"]
+        out = out * v_scale
     out = out.reshape(num_tokens, args.q_size)
     projected = _project(out, layer, "wo", "bo")
     if lora is not None:
