@@ -11,6 +11,9 @@ channel, the weights widened in registers and x never quantised.
                  (the reference rounds twice, as HF's norm)
   scale and norm_weight may also come stacked across layers, [L, N] and [L, K] (stacked.py),
   read at row `layer`
+  swiglu (instead of a norm): x is [M, 2K], a gate/up product (gate columns, then up), and the
+  GEMV's operand is silu(gate) * up, taken as the loop reads x (rounded to x's dtype once), so
+  SwiGLU costs no kernel of its own (a decoder's down projection)
 
 With few rows the product is a weight read: each weight is used M times, so the work is to
 stream `values` at HBM bandwidth and to spend few instructions per weight byte.
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.silu_mul_fp8 import silu_mul
 from pallas_kernels.stacked import check_stacked, prefix
 
 FP8 = jnp.float8_e4m3fn
@@ -59,11 +63,16 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
 
 
 def fp8_gemv_reference(x: jax.Array, values: jax.Array, scale: jax.Array,
-                       norm_weight: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
-    """The module's contract in jnp: x [M, K] (RMS-normalised first, given norm_weight) @
-    values [N, K].T * scale [N] -> [M, N] in x's dtype, every product and sum in fp32."""
+                       norm_weight: jax.Array | None = None, eps: float = 1e-6,
+                       swiglu: bool = False) -> jax.Array:
+    """The module's contract in jnp: x [M, K] (RMS-normalised first, given norm_weight; with
+    swiglu x [M, 2K] -> silu(gate) * up, as a decoder's MLP takes it) @ values [N, K].T *
+    scale [N] -> [M, N] in x's dtype, every product and sum in fp32."""
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps)
+    if swiglu:
+        gate, up = jnp.split(x, 2, axis=1)
+        x = jax.nn.silu(gate) * up
     y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), values.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -86,17 +95,18 @@ def _weights(v_ref, cols, col_ok, ks, k_ok):
                          other=0.0, eviction_policy="evict_first")
 
 
-def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps, layer):
+def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps, layer,
+                swiglu):
     """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores.
     refs: (o_ref,), or with a norm (eps not None) (norm_weight [K], o_ref), then sumsq_ref
     [splits, M] when K is split. With a norm the loop multiplies x by the norm's weight and
     sums x^2 over the split's K range as it goes: one split divides by the RMS itself, several
     leave their sums to the wrapper (no program reads x's whole row up front). x * weight is
     rounded to x's dtype before it changes layout: so the loop holds no more registers (and an
-    SM no fewer programs) than without a norm."""
+    SM no fewer programs) than without a norm; so is silu(gate) * up with swiglu."""
     norm_ref, (o_ref, *sumsq_ref) = (None, refs) if eps is None else (refs[0], refs[1:])
     sumsq_ref = sumsq_ref[0] if sumsq_ref else None
-    num_rows, k_total = x_ref.shape
+    num_rows, k_total = x_ref.shape[0], v_ref.shape[1]
     norm_row = None if norm_ref is None else prefix(norm_ref, 1, layer)
     cols, col_ok, split, first, last = _tiles(v_ref, block_n, block_k, steps_per_split)
     groups = block_k // _VECTOR
@@ -109,6 +119,10 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
         k_ok = ks < k_total
         w = _weights(v_ref, cols, col_ok, ks, k_ok).astype(jnp.float32)  # [Bn, G, 16]
         xs = [pltriton.load(x_ref.at[m, ks], mask=k_ok, other=0) for m in range(num_rows)]
+        if swiglu:  # xs are the gates; 0 past K, where silu(0) * 0 = 0
+            ups = [pltriton.load(x_ref.at[m, ks + k_total], mask=k_ok, other=0)
+                   for m in range(num_rows)]
+            xs = [silu_mul(g, u).astype(g.dtype) for g, u in zip(xs, ups)]
         if norm_ref is not None:
             sumsq = tuple(q + jnp.square(x.astype(jnp.float32)) for q, x in zip(sumsq, xs))
             weight = pltriton.load(norm_ref.at[(*norm_row, ks)], mask=k_ok,
@@ -145,21 +159,23 @@ def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     return pl.cdiv(steps, pl.cdiv(steps, splits))  # no split left empty
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "layer", "block_n", "block_k", "num_warps",
-                                             "num_stages", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "layer", "swiglu", "block_n", "block_k",
+                                             "num_warps", "num_stages", "splits", "interpret"))
 def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
              norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
-             layer: int | None = None, block_n: int | None = None,
+             layer: int | None = None, swiglu: bool = False, block_n: int | None = None,
              block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
              splits: int | None = None, interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. block_n (channels a
     program) and block_k (the K tile) are powers of two; num_stages: the K loop's pipeline
     depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits. layer: the row of a
-    stacked scale or norm_weight."""
-    (m, k), (n, k_values) = x.shape, values.shape
-    if k != k_values or values.dtype != FP8:
-        raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}: want [M, K], "
-                         f"[N, K] float8_e4m3fn")
+    stacked scale or norm_weight; swiglu: x [M, 2K] is a gate/up product (no norm then)."""
+    (m, x_width), (n, k) = x.shape, values.shape
+    if x_width != (2 * k if swiglu else k) or values.dtype != FP8:
+        raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}: want [M, "
+                         f"{'2K' if swiglu else 'K'}], [N, K] float8_e4m3fn")
+    if swiglu and norm_weight is not None:
+        raise ValueError("swiglu takes no norm_weight: a norm precedes no down projection")
     check_stacked("scale", scale, (n,), layer)
     if norm_weight is not None:
         check_stacked("norm_weight", norm_weight, (k,), layer)
@@ -181,7 +197,7 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
     out = pl.pallas_call(
         functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
                           steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits),
-                          eps=eps if norm else None, layer=layer),
+                          eps=eps if norm else None, layer=layer, swiglu=swiglu),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

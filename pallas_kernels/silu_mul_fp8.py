@@ -46,6 +46,12 @@ def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array,
     return jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up in fp32, the inputs widened first: the kernels' SwiGLU."""
+    g = gate.astype(jnp.float32)
+    return g / (1 + jnp.exp(-g)) * up.astype(jnp.float32)
+
+
 def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols, layer):
     """y_ref [T, 2I], xs_ref [T], ws_ref [2I] -> q_ref [T, I], s_ref [T] for this program's
     rows."""
@@ -67,7 +73,7 @@ def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols, laye
         up_scale = pltriton.load(ws_ref.at[(*ws_row, cols + width)], mask=col_ok, other=0)
         g = gate.astype(jnp.float32) * x_scale[:, None] * gate_scale[None, :]
         u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
-        return g / (1 + jnp.exp(-g)) * u, (rows[:, None], cols[None, :]), mask
+        return silu_mul(g, u), (rows[:, None], cols[None, :]), mask
 
     def store_scale(amax):  # -> scale [Br]
         scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX

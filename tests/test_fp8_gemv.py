@@ -91,6 +91,37 @@ def test_norm_inside_matches_norm_then_gemv(m, n, k, tiles, dtype):
     assert np.max(np.abs(np.asarray(got, np.float32) - plain)) > 0.5 * np.max(np.abs(plain))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("m,n,k,tiles", [
+    (1, 64, 300, dict(block_n=32, block_k=64)),  # K ragged: the up half starts mid-tile
+    (2, 70, 1000, dict(block_n=16, block_k=128, splits=3)),
+    (1, 96, 512, dict()),
+])
+def test_swiglu_inside_matches_silu_mul_then_gemv(m, n, k, tiles, dtype):
+    """With swiglu the kernel's operand is silu(gate) * up of x [M, 2K]: against the reference
+    that takes it apart (its silu and product rounded to x's dtype, the kernel's once), and not
+    against the gate half alone."""
+    x, values, scale = random_inputs(3 * m + n + k, m, n, 2 * k, dtype)
+    values = values[:, :k]
+    got = fp8_gemv(x, values, scale, swiglu=True, interpret=True, **tiles)
+    assert got.shape == (m, n) and got.dtype == dtype
+    hidden = jax.nn.silu(x[:, :k]) * x[:, k:]
+    assert_close(got, hidden, values, scale, x_rounded=True)
+    np.testing.assert_array_equal(np.asarray(fp8_gemv_reference(x, values, scale, swiglu=True)),
+                                  np.asarray(fp8_gemv_reference(hidden, values, scale)))
+    gate = np.asarray(fp8_gemv_reference(x[:, :k], values, scale), np.float32)
+    assert np.max(np.abs(np.asarray(got, np.float32) - gate)) > 0.1 * np.max(np.abs(gate))
+
+
+def test_swiglu_wants_a_gate_up_row_and_no_norm():
+    x, values, scale = random_inputs(0, 1, 32, 64)
+    with pytest.raises(ValueError, match="2K"):
+        fp8_gemv(x, values, scale, swiglu=True, interpret=True)
+    with pytest.raises(ValueError, match="norm"):
+        fp8_gemv(jnp.concatenate([x, x], 1), values, scale, jnp.ones((64,), x.dtype),
+                 swiglu=True, interpret=True)
+
+
 def test_norm_weight_must_match_x():
     x, values, scale = random_inputs(0, 1, 32, 64)
     with pytest.raises(ValueError, match="norm_weight"):
@@ -163,10 +194,11 @@ def test_linear_runs_more_tokens_as_w8a8(gemv_calls):
 
 
 def test_dense_mlp_few_tokens_runs_both_projections_through_the_gemv(gemv_calls):
+    """The down GEMV reads the gate/up product whole (SwiGLU inside it)."""
     x, w_gate_up = projection(GEMV_MAX_TOKENS, out=(2, 48), k=64)
     _, w_down = projection(GEMV_MAX_TOKENS, out=(64,), k=48)
     got = dense_mlp({"w_gate_up": w_gate_up, "w_down": w_down}, x, None)
-    assert gemv_calls == [(GEMV_MAX_TOKENS, 64), (GEMV_MAX_TOKENS, 48)]
+    assert gemv_calls == [(GEMV_MAX_TOKENS, 64), (GEMV_MAX_TOKENS, 96)]
     gate_up = gemv_of(x, w_gate_up)
     want = gemv_of(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -217,15 +249,17 @@ def test_one_token_fp8_forward_norms_inside_the_gemvs(monkeypatch):
     batch = StepBatch(token_ids=i32(17), positions=i32(5), slot_mapping=i32(13),
                       block_tables=i32([1, 2]), cu_q_lens=i32(0, 1), kv_lens=i32(6),
                       num_seqs=i32(1), logits_indices=i32(0))
-    norms = []
+    norms, swiglus = [], []
     real = gemv.fp8_gemv_reference
 
-    def recorded(x, values, scale, norm_weight=None, eps=1e-6):
+    def recorded(x, values, scale, norm_weight=None, eps=1e-6, swiglu=False):
         norms.append(norm_weight is not None)
-        return real(x, values, scale, norm_weight, eps)
+        swiglus.append(swiglu)
+        return real(x, values, scale, norm_weight, eps, swiglu)
     monkeypatch.setattr(gemv, "fp8_gemv_reference", recorded)
     fused, _ = transformer.forward(params, cache, batch, args=args)
     assert norms == [True, False, True, False] * 2  # qkv, o, gate/up, down
+    assert swiglus == [False, False, False, True] * 2
     apart = lambda x, weight, eps, w: linear(quant.rms_norm(x, weight, eps), w)
     monkeypatch.setattr(transformer, "norm_linear", apart)
     monkeypatch.setattr(layers, "norm_linear", apart)
@@ -233,6 +267,25 @@ def test_one_token_fp8_forward_norms_inside_the_gemvs(monkeypatch):
     want, _ = transformer.forward(params, cache, batch, args=args)
     assert norms == [False] * 8
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(want))
+
+
+def test_one_token_fp8_mlp_on_the_gpu_is_two_gemvs(monkeypatch):
+    """The GPU's path: a one-token FP8 MLP is the gate/up GEMV and the down GEMV, SwiGLU inside
+    the second (no silu of XLA's between them), and its output that of the MLP run apart (the
+    kernels in interpret mode)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x, w_gate_up = projection(1, out=(2, 48), k=64)
+    _, w_down = projection(1, out=(64,), k=48)
+    layer = {"w_gate_up": w_gate_up, "w_down": w_down}
+    eqns = jax.make_jaxpr(lambda x: dense_mlp(layer, x, None))(x).jaxpr.eqns
+    assert [e.params.get("name") for e in eqns if e.primitive.name in ("jit", "pjit")] == [
+        "fp8_gemv", "fp8_gemv"]  # jax.nn.silu apart would be a third, named silu
+    monkeypatch.setattr(gemv, "fp8_gemv", functools.partial(fp8_gemv, interpret=True))
+    gate_up = linear(x, w_gate_up)
+    want = linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
+    np.testing.assert_allclose(np.asarray(dense_mlp(layer, x, None), np.float32),
+                               np.asarray(want, np.float32), rtol=0.02,
+                               atol=0.02 * float(np.abs(np.asarray(want, np.float32)).max()))
 
 
 def test_linear_runs_the_kernel_on_the_gpu(monkeypatch):
@@ -263,6 +316,9 @@ def test_kernel_lowers_for_cuda():
         text = lower_for_h200(functools.partial(fp8_gemv, **tiles), sds((m, k), dtype),
                               sds((n, k), FP8), sds((n,), jnp.float32))
         assert "fp8_gemv" in text and "triton" in text
+    text = lower_for_h200(functools.partial(fp8_gemv, swiglu=True), sds((1, 28672), jnp.bfloat16),
+                          sds((4096, 14336), FP8), sds((4096,), jnp.float32))  # down
+    assert "fp8_gemv" in text
     for n in (28672, 6144):  # gate/up (one split: the kernel's RMS), qkv (the wrapper's)
         text = lower_for_h200(functools.partial(fp8_gemv, eps=1e-5), sds((1, 4096), jnp.bfloat16),
                               sds((n, 4096), FP8), sds((n,), jnp.float32),

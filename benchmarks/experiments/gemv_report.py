@@ -44,7 +44,7 @@ def write_ttir(a) -> None:
 
     lower_for_h200, modules = lower_capturing_ttir()
     sds = jax.ShapeDtypeStruct
-    x = sds((a.m, a.k), jnp.bfloat16)
+    x = sds((a.m, 2 * a.k if a.swiglu else a.k), jnp.bfloat16)  # swiglu: fp8's only
     # the product's single-device layout: per-layer small operands stacked, read at a row
     lead, layer = ((a.layers,), a.layers - 1) if a.layers else ((), None)
     if a.kernel == "int4":
@@ -64,7 +64,8 @@ def write_ttir(a) -> None:
         a.num_warps = a.num_warps or 4
         norm = (sds((*lead, a.k), jnp.bfloat16),) if a.norm else ()
         lower_for_h200(functools.partial(kernel, block_n=a.block_n, block_k=a.block_k,
-                                         num_warps=a.num_warps, splits=a.splits, layer=layer),
+                                         num_warps=a.num_warps, splits=a.splits, layer=layer,
+                                         swiglu=a.swiglu),
                        x, sds((a.n, a.k), FP8), sds((*lead, a.n), jnp.float32), *norm)
         weights = a.block_n * a.block_k  # a K tile
     os.makedirs(a.out, exist_ok=True)
@@ -158,6 +159,8 @@ def main() -> None:
                         help="scales (zeros, norm) stacked across this many layers, read at the "
                              "last, as on one device; 0: one layer's own arrays")
     parser.add_argument("--norm", action="store_true", help="fp8: the input norm inside")
+    parser.add_argument("--swiglu", action="store_true",
+                        help="fp8: x a gate/up row, SwiGLU inside (a down projection)")
     parser.add_argument("--out", default="/tmp/gemv_report")
     parser.add_argument("--triton-python", help="the triton venv's python: compile and report")
     parser.add_argument("--compile", help="(triton's Python) a --out directory to report on")

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.args import ModelArgs
-from jaxllm.models.quant import fp8_swiglu, fp8_swiglu_applies, linear, norm_linear, rms_norm
+from jaxllm.models.quant import (fp8_swiglu, fp8_swiglu_applies, linear, norm_linear, rms_norm,
+                                 swiglu_linear)
 
 
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
@@ -56,7 +57,8 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
     lora: a models.lora.TokenLoRA, whose updates add onto both projections. norm_weight: x is
     still to be RMS-normalised (with it), a prologue of the gate/up GEMM where one fits
     (quant.norm_linear); normalised first where the normalised x is needed whole (LoRA's
-    updates, fp8_swiglu)."""
+    updates, fp8_swiglu). silu(gate) * up is the down GEMM's prologue where one fits
+    (quant.swiglu_linear)."""
     w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
     swiglu = lora is None and fp8_swiglu_applies(x, w_gate_up, w_down)
     if norm_weight is not None and (lora is not None or swiglu):
@@ -65,11 +67,11 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
         return fp8_swiglu(x, w_gate_up, w_down)
     gate_up = (linear(x, w_gate_up) if norm_weight is None
                else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up))
-    if lora is not None:
-        gate_up = lora.add(gate_up, x, "gate_up")
+    if lora is None:
+        return swiglu_linear(gate_up, w_down)
+    gate_up = lora.add(gate_up, x, "gate_up")
     hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-    down = linear(hidden, w_down)
-    return down if lora is None else lora.add(down, hidden, "down")
+    return lora.add(linear(hidden, w_down), hidden, "down")
 
 
 def dense_mlp_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

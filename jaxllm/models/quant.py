@@ -140,20 +140,22 @@ def has_gemv_weights(params) -> bool:
     return any(isinstance(leaf, kinds) for leaf in leaves)
 
 
-def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0) -> jax.Array:
+def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0,
+              swiglu: bool = False) -> jax.Array:
     """x [T, K] @ w -> [T, *out] by the GEMV kernel (its reference off the GPU), w's output
     axes flattened (free on one device); given norm_weight, x RMS-normalised first, in the
-    kernel. A stacked scale or norm weight (layer_stacks.Row) is read in place."""
+    kernel; with swiglu x is [T, 2K], gate then up, and the operand silu(gate) * up. A stacked
+    scale or norm weight (layer_stacks.Row) is read in place."""
     out_shape = w.values.shape[:-1]
     values = w.values.reshape(-1, w.values.shape[-1])
     if jax.default_backend() != "gpu":
         y = fp8_gemv.fp8_gemv_reference(x, values, value(w.scale).reshape(-1),
-                                        value(norm_weight), eps)
+                                        value(norm_weight), eps, swiglu)
         return y.reshape(x.shape[0], *out_shape)
     (scale, scale_layer), (norm, norm_layer) = in_place(w.scale), in_place(norm_weight)
     layer = _one_layer(scale_layer, norm_layer)
     scale = scale.reshape(*scale.shape[:scale.ndim - len(out_shape)], -1)  # [(L,) N]
-    y = fp8_gemv.fp8_gemv(x, values, scale, norm, eps=eps, layer=layer)
+    y = fp8_gemv.fp8_gemv(x, values, scale, norm, eps=eps, layer=layer, swiglu=swiglu)
     return y.reshape(x.shape[0], *out_shape)
 
 
@@ -172,6 +174,15 @@ def norm_linear(x: jax.Array, norm_weight, eps: float, w) -> jax.Array:
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x) and norm_weight.dtype == x.dtype:
         return _fp8_gemv(x, w, norm_weight, eps)
     return linear(rms_norm(x, norm_weight, eps), w)
+
+
+def swiglu_linear(gate_up: jax.Array, w) -> jax.Array:
+    """linear(silu(gate) * up, w) of gate_up [T, 2, I]: where the FP8 GEMV runs, SwiGLU runs
+    inside it (one kernel, not two: the GEMV reads gate and up as its x; a few instructions a
+    tile there, where the int4 GEMV's per-thread x work would nearly double its loop)."""
+    if isinstance(w, Fp8Weight) and fp8_gemv_applies(gate_up):
+        return _fp8_gemv(gate_up.reshape(gate_up.shape[0], -1), w, swiglu=True)
+    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w)
 
 
 def _fp8_dot(xq: jax.Array, w: Fp8Weight, dtype) -> jax.Array:
