@@ -17,7 +17,7 @@ from jaxllm.models.args import ModelArgs
 from jaxllm.models.batch import StepBatch
 from jaxllm.models.fused import fuse_params
 from jaxllm.models.layer_stacks import Row, layer_views, stack_layers, value
-from pallas_kernels import fp8_gemv, int4_gemv, quant_matmul
+from pallas_kernels import fp8_gemv, fp8_quant, int4_gemv, quant_matmul
 
 ARGS = ModelArgs(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=128,
                  intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -157,7 +157,8 @@ def test_biases_qk_norms_and_kv_scales_stack_too():
 @pytest.mark.parametrize("num_tokens", [1, 5])
 def test_kernels_read_the_stacks_in_place(kind, num_tokens, monkeypatch):
     """The GPU's path (the kernels in interpret mode): the stacked step's logits equal the
-    unstacked step's, the kernels reading each layer's row of the stacks."""
+    unstacked step's, the kernels reading each layer's row of the stacks (five FP8 tokens: the
+    activations' quantisation kernel with the norm inside)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(fp8_gemv, "fp8_gemv", functools.partial(fp8_gemv.fp8_gemv,
                                                                  interpret=True))
@@ -165,6 +166,8 @@ def test_kernels_read_the_stacks_in_place(kind, num_tokens, monkeypatch):
                                                                   interpret=True))
     monkeypatch.setattr(quant_matmul, "int4_matmul",
                         functools.partial(quant_matmul.int4_matmul, interpret=True))
+    monkeypatch.setattr(fp8_quant, "fp8_quant", functools.partial(fp8_quant.fp8_quant,
+                                                                  interpret=True))
     params = make_params(kind)
     cache, batch = step(num_tokens)
     want, _ = transformer.forward(params, cache, batch, args=ARGS)

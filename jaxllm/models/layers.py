@@ -56,15 +56,15 @@ def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
     """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I].
     lora: a models.lora.TokenLoRA, whose updates add onto both projections. norm_weight: x is
     still to be RMS-normalised (with it), a prologue of the gate/up GEMM where one fits
-    (quant.norm_linear); normalised first where the normalised x is needed whole (LoRA's
-    updates, fp8_swiglu). silu(gate) * up is the down GEMM's prologue where one fits
+    (quant.norm_linear, fp8_swiglu); normalised first where the normalised x is needed whole
+    (LoRA's updates). silu(gate) * up is the down GEMM's prologue where one fits
     (quant.swiglu_linear)."""
     w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
-    swiglu = lora is None and fp8_swiglu_applies(x, w_gate_up, w_down)
-    if norm_weight is not None and (lora is not None or swiglu):
+    if lora is None and fp8_swiglu_applies(x, w_gate_up, w_down):
+        norm = () if norm_weight is None else (norm_weight, args.rms_norm_eps)
+        return fp8_swiglu(x, w_gate_up, w_down, *norm)
+    if norm_weight is not None and lora is not None:
         x, norm_weight = rms_norm(x, norm_weight, args.rms_norm_eps), None
-    if swiglu:
-        return fp8_swiglu(x, w_gate_up, w_down)
     gate_up = (linear(x, w_gate_up) if norm_weight is None
                else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up))
     if lora is None:

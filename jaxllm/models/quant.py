@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.layer_stacks import in_place, value
-from pallas_kernels import fp8_gemv, int4_gemv, quant_matmul, silu_mul_fp8
+from pallas_kernels import fp8_gemv, fp8_quant, int4_gemv, quant_matmul, silu_mul_fp8
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8 = jnp.float8_e4m3fn
@@ -120,10 +120,24 @@ def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
     return _fp8_gemv(x, w) if fp8_gemv_applies(x) else _fp8_w8a8(x, w)
 
 
-def _fp8_w8a8(x: jax.Array, w: Fp8Weight) -> jax.Array:
-    """x quantised per token, one FP8 x FP8 dot, then both scales."""
-    xq, x_scale = quantize_fp8_rows(x)
+def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0) -> jax.Array:
+    """x (RMS-normalised first, given norm_weight) quantised per token, one FP8 x FP8 dot, then
+    both scales."""
+    xq, x_scale = quantize_activations(x, norm_weight, eps)
     return _fp8_scaled(_fp8_dot(xq, w, x.dtype), x_scale, value(w.scale), x.dtype)
+
+
+def quantize_activations(x: jax.Array, norm_weight=None,
+                         eps: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] (RMS-normalised first, given norm_weight: an array or a layer_stacks.Row) ->
+    (float8_e4m3fn [T, K], fp32 scale [T, 1]) per token: one kernel on one GPU
+    (pallas_kernels/fp8_quant.py, where XLA makes two or three), jnp elsewhere."""
+    if jax.default_backend() == "gpu" and on_one_device() and (
+            norm_weight is None or norm_weight.dtype == x.dtype):
+        norm, layer = in_place(norm_weight)
+        xq, scale = fp8_quant.fp8_quant(x, norm, eps=eps, layer=layer)
+        return xq, scale[:, None]
+    return quantize_fp8_rows(x if norm_weight is None else rms_norm(x, norm_weight, eps))
 
 
 def fp8_gemv_applies(x: jax.Array) -> bool:
@@ -170,9 +184,12 @@ def _one_layer(*layers: int | None) -> int | None:
 def norm_linear(x: jax.Array, norm_weight, eps: float, w) -> jax.Array:
     """linear(rms_norm(x, norm_weight, eps), w) (norm_weight an array or a layer_stacks.Row):
     where the FP8 GEMV runs, the norm runs inside it (one kernel, not three: the norm's
-    reduction and scaling, then the GEMV)."""
+    reduction and scaling, then the GEMV); an FP8 weight's W8A8 takes it into its activations'
+    quantisation."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x) and norm_weight.dtype == x.dtype:
         return _fp8_gemv(x, w, norm_weight, eps)
+    if isinstance(w, Fp8Weight):
+        return _fp8_w8a8(x, w, norm_weight, eps)
     return linear(rms_norm(x, norm_weight, eps), w)
 
 
@@ -215,12 +232,14 @@ def fp8_swiglu_applies(x: jax.Array, w_gate_up, w_down) -> bool:
             and x.shape[0] >= SWIGLU_KERNEL_MIN_TOKENS and on_one_device())
 
 
-def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight) -> jax.Array:
-    """down(silu(gate(x)) * up(x)) with both GEMMs FP8; w_gate_up [H, 2, I], w_down [I, H];
-    x [T, H] -> [T, H]. The down projection's operand (silu(gate) * up quantised per token)
-    comes from one kernel reading the gate/up GEMM's unscaled product
-    (pallas_kernels/silu_mul_fp8.py), where XLA spends two passes over it."""
-    xq, x_scale = quantize_fp8_rows(x)
+def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight, norm_weight=None,
+               eps: float = 0.0) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with both GEMMs FP8 (x RMS-normalised first, given
+    norm_weight); w_gate_up [H, 2, I], w_down [I, H]; x [T, H] -> [T, H]. The down
+    projection's operand (silu(gate) * up quantised per token) comes from one kernel reading
+    the gate/up GEMM's unscaled product (pallas_kernels/silu_mul_fp8.py), where XLA spends two
+    passes over it."""
+    xq, x_scale = quantize_activations(x, norm_weight, eps)
     y = _fp8_dot(xq, w_gate_up, x.dtype)  # [T, 2, I]
     if jax.default_backend() == "gpu":
         w_scale, layer = in_place(w_gate_up.scale)

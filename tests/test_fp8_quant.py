@@ -1,0 +1,132 @@
+"""Per-token FP8 activation quantisation, with and without the input RMSNorm before it
+(pallas_kernels/fp8_quant.py): the kernel (interpret mode) against its jnp reference on ragged
+rows and widths and stacked norm weights with poisoned rows, the reference against numpy from
+the definition (HF's norm roundings, ml_dtypes' float8), the model's routing (W8A8 on one GPU
+through the kernel, norm inside; meshes and the CPU in jnp), and the CUDA lowering."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import lower_for_h200
+
+from jaxllm.models import quant
+from jaxllm.models.layer_stacks import Row
+from pallas_kernels import fp8_quant as fq
+from pallas_kernels.fp8_quant import FP8, fp8_quant, fp8_quant_reference
+
+
+def random_rows(seed, num_rows, hidden, dtype=jnp.bfloat16):
+    """Rows of magnitudes over three decades (one all zeros), a norm weight around 1."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((num_rows, hidden)) * rng.choice([0.01, 1.0, 30.0], (num_rows, 1))
+    x[min(2, num_rows - 1)] = 0.0
+    weight = rng.uniform(0.3, 2.0, hidden)
+    return jnp.asarray(x, dtype), jnp.asarray(weight, dtype)
+
+
+def assert_matches(got, want):
+    """Scales to fp32 rounding; values equal but where the fp32 sum of squares, summed in
+    another order, moved a normalised value across a rounding of x's dtype: then within two
+    float8 steps, and rarely."""
+    (values, scale), (want_values, want_scale) = got, want
+    # a flipped max: one unit of bf16
+    np.testing.assert_allclose(np.asarray(scale), np.asarray(want_scale), rtol=2.0 ** -7)
+    a, b = np.asarray(values, np.float32), np.asarray(want_values, np.float32)
+    step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), 2.0 ** -6))) - 3)
+    assert np.all(np.abs(a - b) <= 2 * step) and np.mean(a == b) > 0.98
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("num_rows,hidden,tiles", [
+    (5, 200, dict(block_rows=2)),  # rows and H ragged against the tile
+    (7, 576, dict()),  # the default model's width
+    (3, 4096, dict(num_warps=8)),
+])
+@pytest.mark.parametrize("norm", [False, True])
+def test_kernel_matches_reference(num_rows, hidden, tiles, dtype, norm):
+    x, weight = random_rows(num_rows + hidden, num_rows, hidden, dtype)
+    weight = weight if norm else None
+    got = fp8_quant(x, weight, eps=1e-5, interpret=True, **tiles)
+    assert got[0].shape == (num_rows, hidden) and got[0].dtype == FP8
+    assert got[1].shape == (num_rows,) and got[1].dtype == jnp.float32
+    assert_matches(got, fp8_quant_reference(x, weight, 1e-5))
+    assert np.all(np.asarray(got[0], np.float32)[2] == 0) and np.isfinite(got[1]).all()
+
+
+def test_kernel_reads_its_row_of_a_stacked_norm_weight():
+    x, weight = random_rows(1, 4, 300)
+    stack = jnp.stack([jnp.full_like(weight, jnp.nan), weight, jnp.full_like(weight, jnp.nan)])
+    got = fp8_quant(x, stack, eps=1e-5, layer=1, interpret=True)
+    want = fp8_quant(x, weight, eps=1e-5, interpret=True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="layer"):
+        fp8_quant(x, stack, eps=1e-5, interpret=True)
+    with pytest.raises(ValueError, match="dtype"):
+        fp8_quant(x, weight.astype(jnp.float32), eps=1e-5, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_reference_matches_numpy(dtype):
+    """From the definition: HF's RMSNorm (normalised in fp32, rounded to x's dtype, times the
+    weight, rounded), then max |h| / 448 and h / scale to float8 (round to nearest even)."""
+    x, weight = random_rows(9, 6, 256, dtype)
+    values, scale = fp8_quant_reference(x, weight, 1e-5)
+    np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
+    x32 = np.asarray(x, np.float32)
+    normed = (x32 / np.sqrt(np.mean(x32 * x32, axis=1, keepdims=True) + 1e-5)).astype(np_dtype)
+    h = (normed.astype(np.float32) * np.asarray(weight, np.float32)).astype(np_dtype)
+    h = h.astype(np.float32)
+    want_scale = np.maximum(np.abs(h).max(axis=1), 1e-12) / 448
+    np.testing.assert_allclose(np.asarray(scale), want_scale, rtol=1e-6)
+    want = np.clip(h / want_scale[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    got = np.asarray(values, np.float32)
+    agree = np.mean(got == want.astype(np.float32))
+    assert agree > 0.99 and np.abs(got).max() == 448  # each row's max hits the top
+
+
+def test_w8a8_runs_the_kernel_on_one_gpu_norm_inside(monkeypatch):
+    """The GPU's path traced here: norm_linear of more tokens than the GEMV takes is the kernel
+    (the norm weight passed in) and one FP8 dot; plain linear the kernel without a norm; on a
+    mesh of two devices XLA's quantisation."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    w = quant.quantize_fp8(jnp.asarray(np.random.default_rng(0).normal(size=(64, 96)) * 0.2,
+                                       jnp.bfloat16))
+    x, weight = random_rows(2, 8, 64)
+    calls = []
+    real = fq.fp8_quant
+
+    def recorded(x, norm_weight=None, **kw):
+        calls.append(None if norm_weight is None else norm_weight.shape)
+        return real(x, norm_weight, interpret=True, **kw)
+    monkeypatch.setattr(fq, "fp8_quant", recorded)
+    got = quant.norm_linear(x, weight, 1e-5, w)
+    assert calls == [(64,)]
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    want = quant.norm_linear(x, weight, 1e-5, w)  # jnp: the norm, then the quantisation
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=0.02, atol=0.02 * float(np.abs(np.asarray(want)).max()))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    stacked = Row(jnp.stack([weight, weight * 2]), 1)
+    quant.norm_linear(x, stacked, 1e-5, w)
+    quant.linear(x, w)
+    assert calls == [(64,), (2, 64), None]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("tensor",))):
+        jax.make_jaxpr(lambda x: quant.norm_linear(x, weight, 1e-5, w))(x)
+    assert len(calls) == 3
+
+
+def test_kernel_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    for rows, hidden, dtype, norm, kw in [(512, 4096, jnp.bfloat16, True, {}),
+                                          (2048, 4096, jnp.bfloat16, False, {}),
+                                          (16, 8192, jnp.float32, True, dict(num_warps=8)),
+                                          (3, 576, jnp.float16, True, dict(layer=29))]:
+        weight = (sds(((30,) if "layer" in kw else ()) + (hidden,), dtype),) if norm else ()
+        text = lower_for_h200(functools.partial(fp8_quant, eps=1e-5, **kw),
+                              sds((rows, hidden), dtype), *weight)
+        assert "fp8_quant" in text
