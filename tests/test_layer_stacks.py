@@ -153,12 +153,12 @@ def test_biases_qk_norms_and_kv_scales_stack_too():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("kind,num_tokens", [("fp8", 1), ("fp8", 5), ("int4", 1)])
 def test_kernels_read_the_stacks_in_place(kind, num_tokens, monkeypatch):
     """The GPU's path (the kernels in interpret mode): the stacked step's logits equal the
     unstacked step's, the kernels reading each layer's row of the stacks (five FP8 tokens: the
-    activations' quantisation kernel with the norm inside)."""
+    activations' quantisation kernel with the norm inside; int4's tensor-core kernel reads its
+    stacks in test_int4_kernels_read_their_rows_of_stacked_scales_and_zeros)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(fp8_gemv, "fp8_gemv", functools.partial(fp8_gemv.fp8_gemv,
                                                                  interpret=True))
