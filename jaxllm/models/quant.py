@@ -186,9 +186,10 @@ def norm_linear(x: jax.Array, norm_weight, eps: float, w) -> jax.Array:
     where the FP8 GEMV runs, the norm runs inside it (one kernel, not three: the norm's
     reduction and scaling, then the GEMV); an FP8 weight's W8A8 takes it into its activations'
     quantisation."""
-    if isinstance(w, Fp8Weight) and fp8_gemv_applies(x) and norm_weight.dtype == x.dtype:
-        return _fp8_gemv(x, w, norm_weight, eps)
-    if isinstance(w, Fp8Weight):
+    if isinstance(w, Fp8Weight) and fp8_gemv_applies(x):
+        if norm_weight.dtype == x.dtype:
+            return _fp8_gemv(x, w, norm_weight, eps)
+    elif isinstance(w, Fp8Weight):
         return _fp8_w8a8(x, w, norm_weight, eps)
     return linear(rms_norm(x, norm_weight, eps), w)
 
