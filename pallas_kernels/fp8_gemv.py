@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.fp8_quant import rms_norm_reference
 from pallas_kernels.silu_mul_fp8 import silu_mul
 from pallas_kernels.stacked import check_stacked, prefix
 
@@ -53,13 +54,6 @@ DEFAULT_TILE = (32, 256)  # (block_n, block_k): 64 fp8 bytes a thread at 4 warps
 _TARGET_PROGRAMS = 528  # about four per SM on an H200 (132 SMs)
 _MIN_STEPS_PER_SPLIT = 4  # K tiles per split: shorter loops spend their time in set-up
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x [..., H]: normalised in fp32, cast back before the weight (as HF's LlamaRMSNorm)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
 
 
 def fp8_gemv_reference(x: jax.Array, values: jax.Array, scale: jax.Array,

@@ -3,8 +3,7 @@ precedes the projection (a decoder's input norms): one pass over x.
 
   x           [T, H]  bf16, f16 or f32 (a step's tokens)
   norm_weight [H]     x's dtype, optional (or stacked across layers, [L, H], read at row
-                      `layer`: stacked.py); given, h = rms_norm(x) as HF's RMSNorm (normalised
-                      in fp32, rounded to x's dtype, times the weight in x's dtype), else h = x
+                      `layer`: stacked.py); given, h = rms_norm_reference(x), else h = x
   ->  values [T, H] float8_e4m3fn, scale [T] fp32: h ~ values * scale, scale = max|h| / 448
 
 XLA makes two or three kernels of it (the norm's sum of squares, the max of |h|, the scaled
@@ -30,17 +29,30 @@ MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
 _TILE_ELEMENTS = 4096  # default block_rows * padded H
 
 
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., H]: normalised in fp32, cast back before the weight (as HF's LlamaRMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def row_scales(amax: jax.Array) -> jax.Array:
+    """Per-row absolute maxima [R] -> the rows' fp32 scales [R] (max / 448)."""
+    return jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+
+
+def to_fp8(h: jax.Array, scale: jax.Array) -> jax.Array:
+    """h [R, C] fp32 over its rows' scales [R] -> float8_e4m3fn, saturated."""
+    return jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
+
+
 def fp8_quant_reference(x: jax.Array, norm_weight: jax.Array | None = None,
                         eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """The module's contract in jnp."""
-    h = x
-    if norm_weight is not None:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        h = norm_weight * normed.astype(x.dtype)
+    h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps)
     h32 = h.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(h32), axis=-1), MIN_SCALE) / FP8_MAX  # [T]
-    return jnp.clip(h32 / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8), scale
+    scale = row_scales(jnp.max(jnp.abs(h32), axis=-1))  # [T]
+    return to_fp8(h32, scale), scale
 
 
 def _kernel(x_ref, *refs, eps, block_rows, block_h, layer):
@@ -62,10 +74,9 @@ def _kernel(x_ref, *refs, eps, block_rows, block_h, layer):
         # HF's roundings: the normalised x to x's dtype, then its product with the weight
         h = ((h * rms).astype(x.dtype).astype(jnp.float32) * w[None, :]).astype(x.dtype)
         h = h.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(h), axis=1), MIN_SCALE) / FP8_MAX  # [Br]
+    scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [Br]
     pltriton.store(s_ref.at[rows], scale, mask=row_ok)
-    q = jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
-    pltriton.store(q_ref.at[tile], q, mask=mask)
+    pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "layer", "block_rows", "num_warps",

@@ -29,11 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.fp8_quant import FP8, row_scales, to_fp8
 from pallas_kernels.stacked import check_stacked, prefix
-
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8).max)  # 448
-MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
 
 
 def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array,
@@ -42,8 +39,8 @@ def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array,
     fp32); the module's contract, in jnp."""
     g, u = jnp.split(y.astype(jnp.float32) * x_scale[:, None] * w_scale[None, :], 2, axis=1)
     h = g * jax.nn.sigmoid(g) * u  # [T, I]
-    scale = jnp.maximum(jnp.max(jnp.abs(h), axis=1), MIN_SCALE) / FP8_MAX  # [T]
-    return jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8), scale
+    scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [T]
+    return to_fp8(h, scale), scale
 
 
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -76,13 +73,12 @@ def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols, laye
         return silu_mul(g, u), (rows[:, None], cols[None, :]), mask
 
     def store_scale(amax):  # -> scale [Br]
-        scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+        scale = row_scales(amax)
         pltriton.store(s_ref.at[rows], scale, mask=row_ok)
         return scale
 
     def store_values(h, scale, tile, mask):
-        q = jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
-        pltriton.store(q_ref.at[tile], q, mask=mask)
+        pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
 
     if num_chunks == 1:  # the whole row in registers: read once
         h, tile, mask = h_chunk(0)

@@ -200,7 +200,7 @@ def test_a_one_token_fp8_step_slices_no_stack(monkeypatch):
     assert gemvs == 4 * ARGS.num_layers
 
 
-def test_a_stacked_row_mixed_with_an_unstacked_operand_of_another_layer_is_refused():
+def test_operands_of_one_call_from_two_layers_are_refused():
     rows = (Row(jnp.ones((3, 4)), 0), Row(jnp.ones((3, 4)), 2))
     with pytest.raises(ValueError, match="different layers"):
         quant._one_layer(rows[0].index, rows[1].index)

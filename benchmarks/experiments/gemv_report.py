@@ -44,7 +44,7 @@ def write_ttir(a) -> None:
 
     lower_for_h200, modules = lower_capturing_ttir()
     sds = jax.ShapeDtypeStruct
-    x = sds((a.m, 2 * a.k if a.swiglu else a.k), jnp.bfloat16)  # swiglu: fp8's only
+    x = sds((a.m, 2 * a.k if a.swiglu else a.k), jnp.bfloat16)
     # the product's single-device layout: per-layer small operands stacked, read at a row
     lead, layer = ((a.layers,), a.layers - 1) if a.layers else ((), None)
     if a.kernel == "int4":
@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--triton-python", help="the triton venv's python: compile and report")
     parser.add_argument("--compile", help="(triton's Python) a --out directory to report on")
     a = parser.parse_args()
+    if (a.swiglu or a.norm) and a.kernel != "fp8":
+        parser.error("--swiglu and --norm are the FP8 GEMV's")
     if a.compile:
         compile_and_report(a)
         return

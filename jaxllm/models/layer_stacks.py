@@ -40,10 +40,6 @@ class Row:
         return self.stack[self.index]
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
-    @property
     def dtype(self):
         return self.stack.dtype
 

@@ -99,8 +99,8 @@ QUANTIZED = (Fp8Weight, Fp8Experts, Int4Weight)
 
 
 def rms_norm(x: jax.Array, weight, eps: float) -> jax.Array:
-    """fp8_gemv.rms_norm_reference (HF's RMSNorm), the weight an array or a layer_stacks.Row."""
-    return fp8_gemv.rms_norm_reference(x, value(weight), eps)
+    """fp8_quant.rms_norm_reference (HF's RMSNorm), the weight an array or a layer_stacks.Row."""
+    return fp8_quant.rms_norm_reference(x, value(weight), eps)
 
 
 def is_quantized(w) -> bool:
