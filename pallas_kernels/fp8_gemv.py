@@ -46,6 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.fp8_quant import rms_norm_reference
 from pallas_kernels.silu_mul_fp8 import silu_mul
+from pallas_kernels.split_sum import sum_splits
 from pallas_kernels.stacked import check_stacked, prefix
 
 FP8 = jnp.float8_e4m3fn
@@ -199,7 +200,7 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
     )(x, values, scale.astype(jnp.float32), *norm)
     if splits == 1:
         return out[0][0]
-    y = jnp.sum(out[0], axis=0)
+    y = sum_splits(out[0])
     if norm:
-        y = y * jax.lax.rsqrt(jnp.sum(out[1], axis=0) / k + eps)[:, None]
+        y = y * jax.lax.rsqrt(sum_splits(out[1]) / k + eps)[:, None]
     return y.astype(x.dtype)

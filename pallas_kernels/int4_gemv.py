@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import quant_matmul
 from pallas_kernels.half2 import asm, pow2_scale, widen
 from pallas_kernels.quant_matmul import CHUNK_ROWS
+from pallas_kernels.split_sum import sum_splits
 from pallas_kernels.stacked import prefix
 
 _SLICE = 16  # a chunk's rows per nibble: the words tile's rows
@@ -238,4 +239,4 @@ def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Ar
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="int4_gemv",
     )(x, qweight, scales, zeros)
-    return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    return out[0] if splits == 1 else sum_splits(out).astype(x.dtype)

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.grouped_matmul import _block_m, _work_items
+from pallas_kernels.split_sum import sum_splits
 
 _MIN_DOT = 16  # Triton's smallest dot dimension
 _TARGET_PROGRAMS = 256  # about two per SM on an H200 (132 SMs)
@@ -167,7 +168,7 @@ def _shrink(x, a, slot_ids, *, block_m: int | None = None, block_k: int = 64,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=3),
         interpret=interpret, name="lora_shrink",
     )(item_slot, item_tile, bounds, order, x, a)
-    return jnp.sum(partials, axis=0).astype(x.dtype)
+    return sum_splits(partials).astype(x.dtype)
 
 
 def lora_shrink(x, a, slot_ids, *, interpret=False) -> jax.Array:

@@ -40,6 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.split_sum import sum_splits
 from pallas_kernels.stacked import check_stacked, prefix
 
 CHUNK_ROWS = 128  # rows of one chunk of 16 words
@@ -213,4 +214,4 @@ def int4_matmul(x, qweight, scales, zeros, *, layer: int | None = None,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=3),
         interpret=interpret, name="int4_matmul",
     )(x, qweight, scales, zeros)
-    return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    return out[0] if splits == 1 else sum_splits(out).astype(x.dtype)

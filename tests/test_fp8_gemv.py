@@ -91,6 +91,20 @@ def test_norm_inside_matches_norm_then_gemv(m, n, k, tiles, dtype):
     assert np.max(np.abs(np.asarray(got, np.float32) - plain)) > 0.5 * np.max(np.abs(plain))
 
 
+def test_split_sums_are_elementwise_adds():
+    """The wrapper sums the K splits' products and (with a norm) their sums of squares as one
+    add a split: XLA fuses those into the consumers, where a reduction over the split axis is a
+    launch-bound kernel of its own on the GPU (32 a batch-1 step of an 8B FP8 model,
+    benchmarks/experiments/deviceless_step.py)."""
+    x, values, scale = random_inputs(3, 1, 64, 1024, jnp.bfloat16)
+    weight = jnp.ones((1024,), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(functools.partial(fp8_gemv, eps=1e-5, splits=4, interpret=True))(
+        x, values, scale, weight)
+    outside = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns]
+    assert "pallas_call" in outside and "reduce_sum" not in outside
+    assert outside.count("add") >= 2 * 3
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m,n,k,tiles", [
     (1, 64, 300, dict(block_n=32, block_k=64)),  # K ragged: the up half starts mid-tile
