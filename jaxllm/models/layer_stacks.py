@@ -65,10 +65,11 @@ def _entries(layer: dict) -> dict[str, jax.Array]:
     return out
 
 
-def stack_layers(params: dict) -> dict:
+def stack_layers(params: dict, free_inputs: bool = True) -> dict:
     """params with the entries every layer holds alike (same shape and dtype) stacked into
-    params["layer_stacks"] (beside any stacked before); each layer's own copy is deleted. One
-    device only: a stack is placed as jnp.stack places it."""
+    params["layer_stacks"] (beside any stacked before); each layer's own copy is deleted
+    (free_inputs; not when tracing abstract params). One device only: a stack is placed as
+    jnp.stack places it."""
     layers = params["layers"]
     per_layer = [_entries(layer) for layer in layers]
     keys = [key for key, a in per_layer[0].items()
@@ -76,7 +77,8 @@ def stack_layers(params: dict) -> dict:
                                        and e[key].dtype == a.dtype for e in per_layer)]
     stacks = {key: jnp.stack([e[key] for e in per_layer]) for key in keys}
     for a in {id(e[key]): e[key] for e in per_layer for key in keys}.values():
-        a.delete()
+        if free_inputs:
+            a.delete()
     return {**params, "layers": [_without(layer, keys) for layer in layers],
             "layer_stacks": {**params.get("layer_stacks", {}), **stacks}}
 
