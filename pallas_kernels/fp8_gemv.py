@@ -91,7 +91,7 @@ def _weights(v_ref, cols, col_ok, ks, k_ok):
 
 
 def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps, layer,
-                swiglu):
+                swiglu, interpret):
     """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores.
     refs: (o_ref,), or with a norm (eps not None) (norm_weight [K], o_ref), then sumsq_ref
     [splits, M] when K is split. With a norm the loop multiplies x by the norm's weight and
@@ -117,7 +117,7 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
         if swiglu:  # xs are the gates; 0 past K, where silu(0) * 0 = 0
             ups = [pltriton.load(x_ref.at[m, ks + k_total], mask=k_ok, other=0)
                    for m in range(num_rows)]
-            xs = [silu_mul(g, u).astype(g.dtype) for g, u in zip(xs, ups)]
+            xs = [silu_mul(g, u, interpret).astype(g.dtype) for g, u in zip(xs, ups)]
         if norm_ref is not None:
             sumsq = tuple(q + jnp.square(x.astype(jnp.float32)) for q, x in zip(sumsq, xs))
             weight = pltriton.load(norm_ref.at[(*norm_row, ks)], mask=k_ok,
@@ -192,7 +192,8 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
     out = pl.pallas_call(
         functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
                           steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits),
-                          eps=eps if norm else None, layer=layer, swiglu=swiglu),
+                          eps=eps if norm else None, layer=layer, swiglu=swiglu,
+                          interpret=interpret),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

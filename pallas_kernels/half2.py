@@ -1,6 +1,6 @@
-"""The half2 GEMV's (int4_gemv.py) PTX helpers: elementwise inline PTX in Pallas (Triton), a
-half2 lane widened to fp32, and the power-of-two row scale that keeps x's fp16 products in
-range."""
+"""PTX helpers of the GEMVs: elementwise inline PTX in Pallas (Triton) (also silu_mul_fp8.py's
+fast SiLU), and the half2 GEMV's (int4_gemv.py): a half2 lane widened to fp32, the power-of-two
+row scale that keeps x's fp16 products in range."""
 
 from __future__ import annotations
 
