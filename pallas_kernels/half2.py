@@ -1,23 +1,15 @@
-"""PTX helpers of the GEMVs: elementwise inline PTX in Pallas (Triton) (also silu_mul_fp8.py's
-fast SiLU), and the half2 GEMV's (int4_gemv.py): a half2 lane widened to fp32, the power-of-two
-row scale that keeps x's fp16 products in range."""
+"""The half2 GEMV's (int4_gemv.py) PTX helpers: a half2 lane widened to fp32, and the
+power-of-two row scale that keeps x's fp16 products in range."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.ptx import asm
 
 # $0 <- the lo (l) or hi (h) half of half2 $1, as fp32
 _WIDEN_PTX = "{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.f32.f16 $0, {}; }}"
-
-
-def asm(ptx: str, out_dtype, constraints: str, *args: jax.Array) -> jax.Array:
-    """One result of `ptx` applied element by element to args (all of one shape)."""
-    [out] = pltriton.elementwise_inline_asm(
-        ptx, args=list(args), constraints=constraints, pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, out_dtype)])
-    return out
 
 
 def widen(v: jax.Array, half: str) -> jax.Array:

@@ -50,7 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import quant_matmul
-from pallas_kernels.half2 import asm, pow2_scale, widen
+from pallas_kernels.half2 import pow2_scale, widen
+from pallas_kernels.ptx import asm
 from pallas_kernels.quant_matmul import CHUNK_ROWS
 from pallas_kernels.split_sum import sum_splits
 from pallas_kernels.stacked import prefix

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import ptx
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
 _MASK_INIT = -1e30
@@ -182,7 +183,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         t1 = jnp.minimum(t0 + per_split, tile_hi)
         dot_precision = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                          else jax.lax.Precision.DEFAULT)
-        # Base-2 softmax (exp2 is one instruction); without a soft cap the scale and log2(e)
+        # Base-2 softmax (ptx.exp2 is one instruction); without a soft cap the scale and log2(e)
         # fold into one multiply of the scores (sm_scale not again where q carries it).
         q_scale = 1.0 if scaled_q else sm_scale
         qk_scale = (q_scale * _LOG2E if soft_cap is None else q_scale / soft_cap) * k_scale
@@ -228,8 +229,8 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             # still _MASK_INIT, so alpha = 0 at its first visible key erases them; in a split
             # where it sees none, its lse ~ _MASK_INIT gives that split weight 0 in the merge.
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.exp2(s - m_new[:, None])
-            alpha = jnp.exp2(m - m_new)
+            p = ptx.exp2(s - m_new[:, None], interpret)
+            alpha = ptx.exp2(m - m_new, interpret)
             acc = tuple(a * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v,
                                                           precision=dot_precision)
                         for a, v in zip(acc, v_parts))

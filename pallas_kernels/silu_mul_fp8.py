@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import ptx
 from pallas_kernels.fp8_quant import FP8, row_scales, to_fp8
-from pallas_kernels.half2 import asm
 from pallas_kernels.stacked import check_stacked, prefix
 
 
@@ -44,25 +44,16 @@ def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array,
     return to_fp8(h, scale), scale
 
 
-# sm_90's approximate exp2 and reciprocal, one instruction each (denormals flushed), as
-# fast-math CUDA takes SiLU: libdevice's exp and the exact division cost the kernels above
-# ~13 instructions more an element (each pass of silu_mul_fp8's loop 372 -> 583), in loops
-# bound by their instructions; the result is rounded to bf16 or float8 after.
-_EX2_PTX = "ex2.approx.ftz.f32 $0, $1;"
-_RCP_PTX = "rcp.approx.ftz.f32 $0, $1;"
 _LOG2E = 1.4426950408889634
 
 
 def silu_mul(gate: jax.Array, up: jax.Array, interpret: bool = False) -> jax.Array:
-    """silu(gate) * up in fp32, the inputs widened first: the kernels' SwiGLU. On the GPU
-    1 / (1 + 2^(-gate log2 e)) by the approximate instructions; interpret mode (the CPU) takes
-    jnp's exp and division."""
+    """silu(gate) * up in fp32, the inputs widened first: the kernels' SwiGLU, as
+    1 / (1 + 2^(-gate log2 e)) by ptx.py's one-instruction exp2 and reciprocal (as fast-math
+    CUDA takes it: libdevice's exp and the exact division made each pass of this file's loop
+    583 instructions, not 372, in a kernel bound by its instructions)."""
     g = gate.astype(jnp.float32)
-    if interpret:
-        sigmoid = 1 / (1 + jnp.exp(-g))
-    else:
-        exp = asm(_EX2_PTX, jnp.float32, "=f,f", g * -_LOG2E)
-        sigmoid = asm(_RCP_PTX, jnp.float32, "=f,f", 1 + exp)
+    sigmoid = ptx.reciprocal(1 + ptx.exp2(g * -_LOG2E, interpret), interpret)
     return g * sigmoid * up.astype(jnp.float32)
 
 
