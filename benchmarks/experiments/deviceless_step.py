@@ -235,8 +235,7 @@ def compile_step(a) -> str:
                              block_size=a.block_size, max_model_len=a.max_model_len,
                              max_num_seqs=a.max_num_seqs,
                              max_num_batched_tokens=max(a.tokens, a.max_num_seqs, 16),
-                             lean_steps=True, one_token_bucket=has_gemv_weights(params),
-                             decode_bucket=False)
+                             lean_steps=True, one_token_bucket=has_gemv_weights(params))
         runner.state = abstract(runner.state)
         packed, layout = pack(runner._padding_inputs(a.tokens))
         lowered = runner._lower(abstract(packed), layout, SamplerStages[a.stages.upper()])
