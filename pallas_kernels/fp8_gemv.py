@@ -96,9 +96,10 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
     refs: (o_ref,), or with a norm (eps not None) (norm_weight [K], o_ref), then sumsq_ref
     [splits, M] when K is split. With a norm the loop multiplies x by the norm's weight and
     sums x^2 over the split's K range as it goes: one split divides by the RMS itself, several
-    leave their sums to the wrapper (no program reads x's whole row up front). x * weight is
-    rounded to x's dtype before it changes layout: so the loop holds no more registers (and an
-    SM no fewer programs) than without a norm; so is silu(gate) * up with swiglu."""
+    leave their sums to the wrapper (no program reads x's whole row up front). x * weight (and
+    silu(gate) * up with swiglu) is rounded to x's dtype before it changes layout, and the sums
+    of squares are summed over each thread's lanes as they come: registers an SM can hold for
+    as many programs as without them (an 8B's gate/up GEMV fits one wave)."""
     norm_ref, (o_ref, *sumsq_ref) = (None, refs) if eps is None else (refs[0], refs[1:])
     sumsq_ref = sumsq_ref[0] if sumsq_ref else None
     num_rows, k_total = x_ref.shape[0], v_ref.shape[1]
@@ -108,7 +109,7 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
     lanes = (jnp.arange(groups, dtype=jnp.int32)[:, None] * _VECTOR
              + jnp.arange(_VECTOR, dtype=jnp.int32)[None, :])  # [G, 16]
 
-    def step(s, carry):  # acc: M x [Bn, G]; sumsq: M x [G, 16] with a norm, else ()
+    def step(s, carry):  # acc: M x [Bn, G]; sumsq: M x [G] with a norm, else ()
         acc, sumsq = carry
         ks = s * block_k + lanes
         k_ok = ks < k_total
@@ -119,7 +120,9 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
                    for m in range(num_rows)]
             xs = [silu_mul(g, u, interpret).astype(g.dtype) for g, u in zip(xs, ups)]
         if norm_ref is not None:
-            sumsq = tuple(q + jnp.square(x.astype(jnp.float32)) for q, x in zip(sumsq, xs))
+            # over each thread's 16 lanes as they come: a [G, 16] carry holds more registers
+            sumsq = tuple(q + jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
+                          for q, x in zip(sumsq, xs))
             weight = pltriton.load(norm_ref.at[(*norm_row, ks)], mask=k_ok,
                                    other=0).astype(jnp.float32)
             xs = [(x.astype(jnp.float32) * weight).astype(x.dtype) for x in xs]
@@ -131,7 +134,7 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
 
     acc, sumsq = jax.lax.fori_loop(first, last, step, (
         per_row_zeros((block_n, groups)),
-        per_row_zeros((groups, _VECTOR)) if norm_ref is not None else ()))
+        per_row_zeros((groups,)) if norm_ref is not None else ()))
     scale = pltriton.load(s_ref.at[(*prefix(s_ref, 1, layer), cols)], mask=col_ok, other=0)
     for m in range(num_rows):
         y = jnp.sum(acc[m], axis=1) * scale
