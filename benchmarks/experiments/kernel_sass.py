@@ -10,7 +10,8 @@ that keeps what it compiles (a scratch environment only: it moves its ptxas asid
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/gv/bin/python \
         benchmarks/experiments/kernel_sass.py silu_mul_fp8 --tokens 512 [--kw '{"num_warps": 8}']
 
-Kernels (8B shapes): attention (a decode bucket, --tokens sequences of 1,536 tokens, --kv-dtype),
+Kernels (8B shapes): attention (a decode bucket, --tokens sequences of 1,536 tokens, --kv-dtype,
+--page-size),
 silu_mul_fp8, fp8_quant (--norm), fp8_gemv (--n, --k, --norm / --swiglu), int4_gemv.
 """
 
@@ -92,8 +93,8 @@ def kernel_call(a):
     kw = json.loads(a.kw)
     if a.kernel == "attention":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-        s, pages = a.tokens, -(-1536 // 16)
-        cache = sds((s * pages, 16, 8, 128), jnp.dtype(a.kv_dtype))
+        s, pages = a.tokens, -(-1536 // a.page_size)
+        cache = sds((s * pages, a.page_size, 8, 128), jnp.dtype(a.kv_dtype))
         scales = {} if a.kv_dtype == "bfloat16" else dict(k_scale=2.0, v_scale=0.5)
         return functools.partial(ragged_paged_attention, sm_scale=0.088, **scales, **kw), (
             sds((s, 32, 128), jnp.bfloat16), cache, cache, sds((s,), jnp.int32),
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--install-ptxas-wrapper", action="store_true")
     parser.add_argument("--tokens", type=int, default=1, help="rows (attention: sequences)")
     parser.add_argument("--kv-dtype", default="float8_e4m3fn")
+    parser.add_argument("--page-size", type=int, default=16, help="attention's block_size")
     parser.add_argument("--n", type=int, default=28672)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--norm", action="store_true")
