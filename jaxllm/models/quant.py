@@ -185,13 +185,22 @@ def norm_linear(x: jax.Array, norm_weight, eps: float, w) -> jax.Array:
     """linear(rms_norm(x, norm_weight, eps), w) (norm_weight an array or a layer_stacks.Row):
     where the FP8 GEMV runs, the norm runs inside it (one kernel, not three: the norm's
     reduction and scaling, then the GEMV); an FP8 weight's W8A8 takes it into its activations'
-    quantisation."""
+    quantisation. Other one-token steps apply the RMS (a scalar a token) to the product, not to
+    x: XLA then makes the sum of squares and x times the norm's weight one fusion, where the
+    reduction and the scaling of x were a launch-bound kernel each, and folds the RMS into the
+    product's consumers."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x):
         if norm_weight.dtype == x.dtype:
             return _fp8_gemv(x, w, norm_weight, eps)
     elif isinstance(w, Fp8Weight):
         return _fp8_w8a8(x, w, norm_weight, eps)
-    return linear(rms_norm(x, norm_weight, eps), w)
+    if x.shape[0] > GEMV_MAX_TOKENS:
+        return linear(rms_norm(x, norm_weight, eps), w)
+    x32 = x.astype(jnp.float32)
+    weighted = (x32 * value(norm_weight).astype(jnp.float32)).astype(x.dtype)
+    y = linear(weighted, w)
+    rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)  # [T]
+    return (y.astype(jnp.float32) * rms.reshape(-1, *([1] * (y.ndim - 1)))).astype(y.dtype)
 
 
 def swiglu_linear(gate_up: jax.Array, w) -> jax.Array:
