@@ -12,8 +12,7 @@ that keeps what it compiles (a scratch environment only: it moves its ptxas asid
 
 Kernels (8B shapes): attention (a decode bucket, --tokens sequences of 1,536 tokens, --kv-dtype,
 --page-size),
-silu_mul_fp8, fp8_quant (--norm), fp8_gemv (--n, --k, --norm / --swiglu), int4_gemv (--n, --k,
---norm).
+silu_mul_fp8, fp8_quant (--norm), fp8_gemv (--n, --k, --norm / --swiglu), int4_gemv (--n, --k).
 """
 
 from __future__ import annotations
@@ -117,10 +116,9 @@ def kernel_call(a):
             sds((a.n, a.k), jnp.float8_e4m3fn), sds((a.n,), jnp.float32), *norm)
     if a.kernel == "int4_gemv":
         from pallas_kernels.int4_gemv import int4_gemv
-        norm = (sds((a.k,), jnp.bfloat16),) if a.norm else ()
         return functools.partial(int4_gemv, **kw), (
             sds((a.tokens, a.k), jnp.bfloat16), sds((a.k // 8, a.n), jnp.int32),
-            sds((a.k // 128, a.n), jnp.bfloat16), sds((a.k // 128, a.n), jnp.uint8), *norm)
+            sds((a.k // 128, a.n), jnp.bfloat16), sds((a.k // 128, a.n), jnp.uint8))
     raise SystemExit(f"unknown kernel {a.kernel}")
 
 
