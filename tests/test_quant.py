@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import write_fp8_kv_scaled
+from conftest import write_fp8_checkpoint, write_fp8_kv_scaled
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.loader import load_model
@@ -195,6 +195,48 @@ def test_tiny_moe_logits_fp8_experts_within_tolerance(tmp_path):
     plain_experts = [{**layer, **{n: params["layers"][i][n] for n in EXPERT_NAMES if n in layer}}
                      for i, layer in enumerate(quantized["layers"])]
     assert rel(logits_of(loaded, {**quantized, "layers": plain_experts}, PROMPT), got) > 1e-4
+
+
+@pytest.mark.parametrize("kind,quant_method", [("qwen3_moe", "fp8"),
+                                               ("qwen2_moe", "compressed-tensors")])
+def test_fp8_moe_checkpoint_loads_its_experts_as_stored(kind, quant_method, tmp_path):
+    """A pre-quantised FP8 MoE checkpoint (each expert's linears float8 with per-channel
+    scales, the router 16-bit): the experts load as Fp8Experts holding the stored values and
+    scales, the dense and shared-expert linears as Fp8Weight, and the logits are those of the
+    dequantised weights (to fp32 rounding) and near the 16-bit model's."""
+    from test_moe import save_tiny_moe
+
+    from jaxllm.models.quant import EXPERT_NAMES, Fp8Experts, Fp8Weight
+    base_dir = save_tiny_moe(kind, str(tmp_path / "base"), seed=5)
+    qconfig = ({"quant_method": "fp8", "activation_scheme": "dynamic"} if quant_method == "fp8"
+               else {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+                   "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8,
+                                                      "strategy": "channel"}}}})
+    out = write_fp8_checkpoint(base_dir, str(tmp_path / "fp8"), qconfig)
+    quant = load_model(out, "float32", quantization=quant_method)
+    layer = next(l for l in quant.params["layers"] if "experts_gate" in l)
+    assert all(isinstance(layer[n], Fp8Experts) for n in EXPERT_NAMES)
+    assert isinstance(layer["wq"], Fp8Weight) and not isinstance(layer["router"], Fp8Weight)
+    if kind == "qwen2_moe":
+        assert isinstance(layer["shared_gate"], Fp8Weight)
+    import torch
+    from safetensors.torch import load_file
+    stored = load_file(os.path.join(out, "model.safetensors"))
+    index = next(i for i, l in enumerate(quant.params["layers"]) if l is layer)
+    prefix = f"model.layers.{index}.mlp.experts.2.up_proj"
+    np.testing.assert_array_equal(np.asarray(layer["experts_up"].values[2]).T.view(np.uint8),
+                                  stored[f"{prefix}.weight"].view(torch.uint8).numpy())
+    np.testing.assert_array_equal(np.asarray(layer["experts_up"].scale[2]),
+                                  stored[f"{prefix}.weight_scale"].numpy().reshape(-1))
+    got = logits_of(quant, fuse_params(quant.params, quant.args.num_kv_heads), PROMPT)
+    base = load_model(base_dir, "float32")
+    want = logits_of(base, fuse_params(base.params, base.args.num_kv_heads), PROMPT)
+    assert rel(got, want) < 0.15  # the dense model's stated FP8 tolerance
+    # the writer's per-channel rounding is --quantization fp8's: the same weights, so the same
+    # logits as the 16-bit checkpoint quantised at load
+    at_load = quantize_params_fp8(fuse_params(load_model(base_dir, "float32").params,
+                                              base.args.num_kv_heads))
+    np.testing.assert_allclose(got, logits_of(base, at_load, PROMPT), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("sym,desc_act", [(True, False), (False, True)])

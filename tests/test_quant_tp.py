@@ -1,5 +1,5 @@
 """Quantised models with tensor parallelism: FP8 (quantised at load, with and without an FP8 KV
-cache, and an fp8 checkpoint), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
+cache, an fp8 checkpoint, and an MoE one at TP=2 and EP=2), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
 logprobs of the same quantised model on one device; the int4 K-split layout against the
 unsplit one; the refusals.
 
@@ -41,6 +41,8 @@ RUNS = {  # model -> [(name, engine kwargs)]; the first of each is the one-devic
              ("tp4", dict(tensor_parallel_size=4))],
     "awq": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
             ("tp4", dict(tensor_parallel_size=4))],
+    "fp8_moe_checkpoint": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
+                           ("ep2", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
 }
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
               num_gpu_blocks_override=48, block_size=8, enforce_eager=True,
@@ -90,10 +92,10 @@ def write_fp8(model_dir: str, out_dir: str) -> str:
 
 
 # -- the child: every run on 4 devices ------------------------------------------------------
-def _generate(model_dir: str, runs, **common) -> dict:
+def _generate(model_dir: str, runs, max_token_id: int = 300, **common) -> dict:
     from jaxllm import LLM, SamplingParams
 
-    prompts = [np.random.default_rng(i).integers(3, 300, size=n).tolist()
+    prompts = [np.random.default_rng(i).integers(3, max_token_id, size=n).tolist()
                for i, n in enumerate([5, 19, 2])]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     results = {}
@@ -122,7 +124,8 @@ def _step_collectives(model_dir: str, **kwargs) -> dict[str, int]:
     return {k: kinds.count(k) for k in sorted(set(kinds))}
 
 
-def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str) -> None:
+def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str,
+                fp8_moe_dir: str) -> None:
     import jax
 
     from jaxllm.models import quant
@@ -137,6 +140,8 @@ def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str) -> No
         "fp8_checkpoint": _generate(fp8_dir, RUNS["fp8_checkpoint"]),
         "gptq": _generate(gptq_dir, RUNS["gptq"]),
         "awq": _generate(awq_dir, RUNS["awq"]),
+        "fp8_moe_checkpoint": _generate(fp8_moe_dir, RUNS["fp8_moe_checkpoint"],
+                                        max_token_id=90),
     }
     collectives = {"plain": _step_collectives(llama_dir),
                    "fp8": _step_collectives(llama_dir, quantization="fp8"),
@@ -155,7 +160,11 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
     fp8 = write_fp8(tiny_llama_dir, str(tmp_path / "fp8"))
-    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, fp8, gptq, awq], env=env,
+    from test_moe import save_tiny_moe
+    fp8_moe = write_fp8(save_tiny_moe("qwen3_moe", str(tmp_path / "moe"), seed=2),
+                        str(tmp_path / "fp8_moe"))
+    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, fp8, gptq, awq, fp8_moe],
+                          env=env,
                           capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,10 +16,11 @@ from jaxllm.loader.dummy import dummy_params
 from jaxllm.loader.hf_names import flatten_paths, map_hf_name, split_expert_path, unflatten_paths
 from jaxllm.loader.orbax_ckpt import is_orbax_checkpoint, restore_params
 from jaxllm.loader.placement import Shardings, place
-from jaxllm.loader.quant_checkpoint import QuantizedLinears
+from jaxllm.loader.quant_checkpoint import QuantizedLinears, stack_fp8_experts
 from jaxllm.loader.safetensors_io import count_tensors, iter_tensors, safetensors_files
 from jaxllm.models import ModelArgs, param_shapes
 from jaxllm.models.presets import PRESETS
+from jaxllm.models.quant import shard_weight
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,12 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
                                      f"{expected.get(param)} for {param}.")
                 flat[param] = place(host, dtype, transpose, shardings(param) if shardings else None)
     sharding_of_name = lambda name: shardings(map_hf_name(name)[0]) if shardings else None
+    quantized_experts = {}
     for name, weight in quantized.weights(sharding_of_name) if quantized is not None else ():
-        param = map_hf_name(name)[0]
+        param, expert = split_expert_path(map_hf_name(name)[0])
+        if expert is not None:  # host arrays, stacked below
+            quantized_experts.setdefault(param, {})[expert] = weight
+            continue
         if expected.get(param) != weight.shape:
             raise ValueError(f"Quantised weight {name} stands for a {weight.shape} matrix; the "
                              f"config expects {expected.get(param)} for {param}.")
@@ -160,6 +165,12 @@ def load_safetensors(model_dir: str, args: ModelArgs, dtype, shardings: Sharding
             raise ValueError(f"Experts of {param} stack to {stacked.shape}; the config expects "
                              f"{expected.get(param)}.")
         flat[param] = place(stacked, dtype, False, shardings(param) if shardings else None)
+    for param, by_index in quantized_experts.items():
+        stacked = stack_fp8_experts([by_index[j] for j in sorted(by_index)])
+        if expected.get(param) != stacked.shape:
+            raise ValueError(f"Quantised experts of {param} stack to {stacked.shape}; the "
+                             f"config expects {expected.get(param)}.")
+        flat[param] = shard_weight(stacked, shardings(param) if shardings else None)
     missing = sorted(set(expected) - set(flat))
     if missing:
         raise ValueError(f"Checkpoint {model_dir} lacks weights: {missing[:8]}.")

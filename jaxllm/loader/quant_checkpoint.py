@@ -4,7 +4,8 @@ weights (integer repacking on the host; nothing is dequantised to 16 bits).
 Formats, as their writers define them (HF weights are [out, in] = [N, K]):
   fp8 (vLLM) / compressed-tensors float8: `weight` float8_e4m3fn [N, K], `weight_scale` one
       value per tensor ([] or [1]) or per output channel ([N] or [N, 1]); `input_scale` (static
-      activation scales) is read and not used: activations are scaled per token.
+      activation scales) is read and not used: activations are scaled per token. An MoE's
+      experts are linears of their own (`experts.{e}.gate_proj` ...), stacked after reading.
   gptq: `qweight` [K / 8, N] int32, nibble i of word r = row 8r + i; `qzeros` [K / g, N / 8]
       int32, nibble i of word c = column 8c + i, stored minus one (GPTQ's v1 format);
       `scales` [K / g, N]; `g_idx` [K]: the group of each input row (act order permutes it).
@@ -24,8 +25,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxllm.models import ModelArgs
-from jaxllm.models.quant import (INT4_CHUNK_ROWS, Fp8Weight, Int4Weight, k_shards_of, pack_int4,
-                                 shard_weight)
+from jaxllm.loader.hf_names import map_hf_name, split_expert_path
+from jaxllm.models.quant import (INT4_CHUNK_ROWS, Fp8Experts, Fp8Weight, Int4Weight, k_shards_of,
+                                 pack_int4, shard_weight)
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +47,6 @@ def check_supported(method: str | None, hf_config: dict, args: ModelArgs,
         _check_int4_row_split(method, qconfig, args, tensor_parallel_size)
     elif method == "compressed-tensors":
         _check_compressed_tensors(qconfig)
-    elif qconfig and args.num_experts:
-        raise ValueError(f"{method} checkpoints of MoE models ({args.architecture}) are not "
-                         "supported by jaxllm yet (--quantization fp8 on a 16-bit MoE "
-                         "checkpoint quantises it, experts included).")
     if method == "fp8" and qconfig.get("weight_block_size"):
         raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not "
                          "supported by jaxllm yet: only per-tensor and per-channel scales.")
@@ -236,7 +234,8 @@ class QuantizedLinears:
 
     def weights(self, shardings: Callable[[str], NamedSharding | None]):
         """Yields (checkpoint name of the linear's weight, quantised weight) for each linear,
-        placed per shardings(checkpoint name of the weight)."""
+        placed per shardings(checkpoint name of the weight); an MoE expert's FP8 weight stays
+        on the host, for stack_fp8_experts."""
         if any("input_scale" in t for t in self.tensors.values()):
             logger.info("The checkpoint's static input scales are not used: activations are "
                         "quantised per token.")
@@ -244,5 +243,15 @@ class QuantizedLinears:
             if "weight" not in tensors and "qweight" not in tensors:
                 raise ValueError(f"Quantised linear {base} has {sorted(tensors)} but no weight.")
             name = f"{base}.weight"
-            yield name, build_weight(self.method, tensors, self.qconfig, self.dtype,
-                                     shardings(name))
+            if "weight" in tensors and split_expert_path(map_hf_name(name)[0])[1] is not None:
+                yield name, _fp8_weight(tensors)
+            else:
+                yield name, build_weight(self.method, tensors, self.qconfig, self.dtype,
+                                         shardings(name))
+
+
+def stack_fp8_experts(experts: list[Fp8Weight]) -> Fp8Experts:
+    """One MoE layer's experts, each an FP8 weight of host arrays (values [N, K], scale [N]),
+    in expert order -> Fp8Experts of host arrays (values [E, K, N], scale [E, N])."""
+    return Fp8Experts(np.stack([np.ascontiguousarray(w.values.T) for w in experts]),
+                      np.stack([w.scale for w in experts]))
