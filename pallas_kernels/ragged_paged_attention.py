@@ -361,12 +361,15 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
 def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                       sm_scale, sliding_window=None, soft_cap=None, interpret=False, block_q=None,
                       block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
-                      fill_value: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
-                      v_pairs: bool | None = None, only: str | None = None,
-                      out: jax.Array | None = None):
-    """The Triton kernel, traced inside a jit. Its output starts as `fill_value`, which is what
-    rows it does not write (padding) hold; the tests and the GPU check pass NaN, so that an
-    element it should have written and did not shows. v_pairs: read float8 V pages as int16
+                      fill_value: float | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0, v_pairs: bool | None = None,
+                      only: str | None = None, out: jax.Array | None = None):
+    """The Triton kernel, traced inside a jit. Its output starts as `fill_value` (default 0),
+    which is what rows it does not write (padding) hold; the tests and the GPU check pass NaN,
+    so that an element it should have written and did not shows. The KV splits' partial
+    outputs start as fill_value when one is given, else uninitialised: the kernel writes every
+    split of every row the merge keeps (a 32-layer step's fills were a kernel writing tens of
+    MB). v_pairs: read float8 V pages as int16
     pairs (the kernel's v_pairs; default: in decode buckets without KV splits, where q is
     16-bit: benchmarks/experiments/fp8_kv_attention_gpu.py).
     only: "decode" (sequences of q_len 1, at the decode bucket's tiling) or "prefill" (the
@@ -404,10 +407,13 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     split_shape = (num_kv_splits, num_tokens, num_q_heads)
     if num_kv_splits == 1:
-        out_init = (jnp.full(q.shape, fill_value, q.dtype) if out is None else out,)
+        out_init = (jnp.full(q.shape, fill_value or 0.0, q.dtype) if out is None else out,)
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     else:
-        out_init = (jnp.full((*split_shape, head_dim), fill_value, jnp.float32),
-                    jnp.full(split_shape, fill_value, jnp.float32))
+        out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct(split_shape, jnp.float32)]
+        out_init = () if fill_value is None else tuple(
+            jnp.full(x.shape, fill_value, x.dtype) for x in out_shape)
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
@@ -424,7 +430,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     outs = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, num_kv_heads, num_kv_splits),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_init],
+        out_shape=out_shape,
         input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps or (8 if deep else 4),

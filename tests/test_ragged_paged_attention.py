@@ -110,6 +110,20 @@ def test_long_context_split_kv():
         check(args, tol=1e-5, sm_scale=0.125, num_kv_splits=splits)
 
 
+def test_split_outputs_need_no_fill():
+    """Without a fill value the KV splits' partial outputs are not initialised (no fill kernel
+    a layer; interpret mode starts them as NaN): every split of every live row is written, and
+    padding rows come back 0."""
+    args = make_batch(3, [1, 1, 3], [1500, 700, 900], num_q_heads=8, num_kv_heads=2,
+                      head_dim=64, page_size=16, max_seqs=4, num_tokens=8)
+    kw = dict(sm_scale=0.125, num_kv_splits=5)
+    jaxpr = jax.make_jaxpr(functools.partial(_triton_attention, interpret=True, **kw))(*args)
+    [call] = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert not call.params["input_output_aliases"]
+    out = check(args, tol=1e-5, public=True, **kw)
+    assert not np.asarray(out[5:]).any()
+
+
 def test_sliding_window_and_soft_cap():
     args = make_batch(4, [5, 1, 12], [60, 90, 12], num_q_heads=9, num_kv_heads=3, head_dim=64,
                       page_size=16, max_seqs=3, num_tokens=24)
