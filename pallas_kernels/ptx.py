@@ -1,6 +1,6 @@
 """Elementwise inline PTX in Pallas (Triton) kernels, and the approximate fp32 exp2 and
 reciprocal: one instruction each on sm_90 (denormals flushed), where Triton lowers jnp.exp2 with
-a denormal range fix-up (3 instructions more) and a division exactly (with a Newton step).
+a denormal range fix-up and a division exactly (with a Newton step).
 Softmax weights and SiLU are rounded to 16 bits or float8 after, far above either's error
 (about 2 ulp of fp32). In interpret mode (the CPU) jnp stands in."""
 

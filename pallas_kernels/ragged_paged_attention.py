@@ -367,10 +367,9 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value` (default 0),
     which is what rows it does not write (padding) hold; the tests and the GPU check pass NaN,
     so that an element it should have written and did not shows. The KV splits' partial
-    outputs start as fill_value when one is given, else uninitialised: the kernel writes every
-    split of every row the merge keeps (a 32-layer step's fills were a kernel writing tens of
-    MB). v_pairs: read float8 V pages as int16
-    pairs (the kernel's v_pairs; default: in decode buckets without KV splits, where q is
+    outputs start as fill_value when one is given, else uninitialised (no fill kernel): the
+    kernel writes every split of every row the merge keeps. v_pairs: read float8 V pages as
+    int16 pairs (the kernel's v_pairs; default: in decode buckets without KV splits, where q is
     16-bit: benchmarks/experiments/fp8_kv_attention_gpu.py).
     only: "decode" (sequences of q_len 1, at the decode bucket's tiling) or "prefill" (the
     others): the rows of the other kind come from `out` (else `fill_value`)."""

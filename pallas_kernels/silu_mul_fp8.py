@@ -49,9 +49,9 @@ _LOG2E = 1.4426950408889634
 
 def silu_mul(gate: jax.Array, up: jax.Array, interpret: bool = False) -> jax.Array:
     """silu(gate) * up in fp32, the inputs widened first: the kernels' SwiGLU, as
-    1 / (1 + 2^(-gate log2 e)) by ptx.py's one-instruction exp2 and reciprocal (as fast-math
-    CUDA takes it: libdevice's exp and the exact division made each pass of this file's loop
-    583 instructions, not 372, in a kernel bound by its instructions)."""
+    1 / (1 + 2^(-gate log2 e)) by ptx.py's one-instruction exp2 and reciprocal, as fast-math
+    CUDA takes it (libdevice's exp and the exact division cost several instructions each, in
+    loops bound by their instructions)."""
     g = gate.astype(jnp.float32)
     sigmoid = ptx.reciprocal(1 + ptx.exp2(g * -_LOG2E, interpret), interpret)
     return g * sigmoid * up.astype(jnp.float32)
