@@ -38,6 +38,16 @@ TESTS = ("batch1", "1000/1000", "1000/1000@512", "200/180")
 BATCH1_WEIGHTS = ("bf16", "fp8", "int4")
 
 
+def random_int4_weight(key, w, group: int = 128) -> Int4Weight:
+    """Random packed 4-bit weights (GPTQ without act order) standing for w's [K, *out] shape."""
+    k, out = w.shape[0], w.shape[1:]
+    kp = -(-k // 128) * 128
+    qweight = jax.random.bits(key, (kp // 8, *out), jnp.uint32).view(jnp.int32)
+    scales = jnp.full((kp // group, *out), 2e-3, w.dtype)
+    zeros = jnp.full((kp // group, *out), 8, jnp.uint8)
+    return Int4Weight(qweight, scales, zeros, None, k)
+
+
 def random_int4(params: dict, group: int = 128) -> dict:
     """The engine's params with every projection replaced by random packed 4-bit weights of its
     shape (the 16-bit matrices freed)."""
@@ -47,14 +57,9 @@ def random_int4(params: dict, group: int = 128) -> dict:
         layer = dict(layer)
         for name in QUANTIZED_NAMES:
             if name in layer:
-                w = layer[name]
-                k, out = w.shape[0], w.shape[1:]
-                kp = -(-k // 128) * 128
                 key, sub = jax.random.split(key)
-                qweight = jax.random.bits(sub, (kp // 8, *out), jnp.uint32).view(jnp.int32)
-                scales = jnp.full((kp // group, *out), 2e-3, w.dtype)
-                zeros = jnp.full((kp // group, *out), 8, jnp.uint8)
-                layer[name] = Int4Weight(qweight, scales, zeros, None, k)
+                w = layer[name]
+                layer[name] = random_int4_weight(sub, w, group)
                 w.delete()
         layers.append(layer)
     out = {**params, "layers": layers}

@@ -112,6 +112,28 @@ def timed_variant(row: dict, check, call, x, *args, nbytes: float, copy_GBps: fl
     return row
 
 
+def fp8_rows_variant(row: dict, fn, args: tuple, want: tuple, *, nbytes: float,
+                     copy_GBps: float) -> dict:
+    """timed_variant for fn(*args) -> (float8 values [R, C], per-row scales [R]): checked against
+    want = (values, scales), timed chained on args[0] (each call's first input depends, in
+    place, on the last call's outputs)."""
+    want_q, want_s = want
+
+    def call(x, i, *rest):
+        q, s = jax.lax.optimization_barrier(fn(x, *rest))
+        return x.at[0, 0].add((q[0, 0].astype(jnp.float32) * s[0] * 0).astype(x.dtype))
+
+    def check():
+        q, s = jax.jit(fn)(*args)
+        diff = jnp.abs(q.astype(jnp.float32) - want_q.astype(jnp.float32))
+        return dict(scale_rel_err=float(jnp.max(jnp.abs(s - want_s) / want_s)),
+                    values_differing=float(jnp.mean(diff > 0)),
+                    values_max_diff=float(jnp.max(diff)))
+
+    return timed_variant(row, check, call, jnp.copy(args[0]), *args[1:], donate=True,
+                         nbytes=nbytes, copy_GBps=copy_GBps)
+
+
 def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=None,
                mosaic=False, **kw):
     """Triton: NaN-poisoned output, live rows checked. Mosaic (no output aliasing): padding

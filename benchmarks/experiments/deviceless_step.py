@@ -25,11 +25,15 @@ import json
 import math
 import os
 import re
+import sys
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from quant_gpu import random_int4_weight  # noqa: E402  (benchmarks/)
 
 H200_TARGET = """
 gpu_device_info {
@@ -154,18 +158,6 @@ def kernels(comps: dict, entry: str) -> list[dict]:
     return out
 
 
-def _int4_like(w, group: int = 128):
-    """An Int4Weight of w's shape (GPTQ without act order, group 128): what
-    benchmarks/quant_gpu.py's random_int4 gives the GPU runs."""
-    from jaxllm.models.quant import Int4Weight
-
-    k, out = w.shape[0], w.shape[1:]
-    kp = -(-k // 128) * 128
-    groups = (kp // group, *out)
-    return Int4Weight(jnp.zeros((kp // 8, *out), jnp.int32), jnp.zeros(groups, w.dtype),
-                      jnp.zeros(groups, jnp.uint8), None, k)
-
-
 def abstract_8b_params(model: str, quantization: str | None, sharding):
     """The engine's single-device params for a preset, as ShapeDtypeStructs: fused, quantised
     at load (fp8), the layers' small arrays stacked."""
@@ -179,7 +171,8 @@ def abstract_8b_params(model: str, quantization: str | None, sharding):
 
     def build():
         params = fuse_params(dummy_params(args, jnp.bfloat16), args.num_kv_heads)
-        quantize = {"fp8": quantize_fp8, "int4": _int4_like, None: None}[quantization]
+        int4 = lambda w: random_int4_weight(jax.random.key(0), w)  # noqa: E731
+        quantize = {"fp8": quantize_fp8, "int4": int4, None: None}[quantization]
         if quantize is not None:
             params["layers"] = [{k: quantize(v) if k in QUANTIZED_NAMES else v
                                  for k, v in layer.items()} for layer in params["layers"]]

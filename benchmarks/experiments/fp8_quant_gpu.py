@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.quant import quantize_fp8_rows, rms_norm
-from pallas_kernels.bench import timed_variant
+from pallas_kernels.bench import fp8_rows_variant
 from pallas_kernels.ceilings import measure_ceilings
 from pallas_kernels.fp8_quant import fp8_quant, fp8_quant_reference
 
@@ -59,21 +59,9 @@ def main() -> None:
             for name, tiles in variants:
                 fn = xla_path if name == "xla" else functools.partial(
                     fp8_quant, eps=EPS, interpret=cli.cpu, **tiles)
-
-                def call(x, i, w, fn=fn):
-                    q, s = jax.lax.optimization_barrier(fn(x, w))
-                    # the next call's input depends on this one's outputs, in place
-                    return x.at[0, 0].add((q[0, 0].astype(jnp.float32) * s[0] * 0)
-                                          .astype(x.dtype))
-
-                def check(fn=fn, w=w):
-                    q, s = jax.jit(fn)(x, w)
-                    diff = jnp.abs(q.astype(jnp.float32) - want_q.astype(jnp.float32))
-                    return dict(scale_rel_err=float(jnp.max(jnp.abs(s - want_s) / want_s)),
-                                values_differing=float(jnp.mean(diff > 0)))
-                row = timed_variant(
+                row = fp8_rows_variant(
                     dict(tokens=tokens, hidden=hidden, norm=norm, path=name, **(tiles or {})),
-                    check, call, jnp.copy(x), w, donate=True, copy_GBps=copy,
+                    fn, (x, w), (want_q, want_s), copy_GBps=copy,
                     nbytes=tokens * hidden * (2 + 1) + tokens * 4 + (2 * hidden if norm else 0))
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.quant import quantize_fp8_rows
-from pallas_kernels.bench import timed_variant
+from pallas_kernels.bench import fp8_rows_variant
 from pallas_kernels.ceilings import measure_ceilings
 from pallas_kernels.silu_mul_fp8 import silu_mul_fp8, silu_mul_fp8_reference
 
@@ -61,20 +61,9 @@ def main() -> None:
         for name, tiles in variants:
             fn = xla_path if name == "xla" else functools.partial(
                 silu_mul_fp8, interpret=cli.cpu, **tiles)
-
-            def call(y, i, x_scale, w_scale, fn=fn):
-                q, s = jax.lax.optimization_barrier(fn(y, x_scale, w_scale))
-                # the next call's input depends on this one's outputs, in place
-                return y.at[0, 0].add((q[0, 0].astype(jnp.float32) * s[0] * 0).astype(y.dtype))
-            def check(fn=fn):
-                q, s = jax.jit(fn)(y, x_scale, w_scale)
-                diff = jnp.abs(q.astype(jnp.float32) - want_q.astype(jnp.float32))
-                return dict(scale_rel_err=float(jnp.max(jnp.abs(s - want_s) / want_s)),
-                            values_differing=float(jnp.mean(diff > 0)),
-                            values_max_diff=float(jnp.max(diff)))
-            row = timed_variant(
-                dict(tokens=tokens, width=width, path=name, **(tiles or {})), check, call,
-                jnp.copy(y), x_scale, w_scale, donate=True, copy_GBps=copy,
+            row = fp8_rows_variant(
+                dict(tokens=tokens, width=width, path=name, **(tiles or {})), fn,
+                (y, x_scale, w_scale), (want_q, want_s), copy_GBps=copy,
                 nbytes=tokens * width * (2 * 2 + 1) + 2 * width * 4 + tokens * 8)
             print(json.dumps(row), flush=True)
             rows.append(row)

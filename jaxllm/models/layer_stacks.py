@@ -76,8 +76,8 @@ def stack_layers(params: dict, free_inputs: bool = True) -> dict:
             if len(layers) > 1 and all(key in e and e[key].shape == a.shape
                                        and e[key].dtype == a.dtype for e in per_layer)]
     stacks = {key: jnp.stack([e[key] for e in per_layer]) for key in keys}
-    for a in {id(e[key]): e[key] for e in per_layer for key in keys}.values():
-        if free_inputs:
+    if free_inputs:
+        for a in {id(e[key]): e[key] for e in per_layer for key in keys}.values():
             a.delete()
     return {**params, "layers": [_without(layer, keys) for layer in layers],
             "layer_stacks": {**params.get("layer_stacks", {}), **stacks}}
