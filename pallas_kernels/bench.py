@@ -112,6 +112,22 @@ def timed_variant(row: dict, check, call, x, *args, nbytes: float, copy_GBps: fl
     return row
 
 
+def token_sweep_cli(cpu_tokens: tuple, gpu_tokens: tuple):
+    """An experiment's command line (--out, --cpu, --tokens): (its args, the token counts:
+    --tokens, else cpu_tokens or gpu_tokens, the copy bandwidth in GB/s to report against: 1
+    on the CPU); --out is created."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--tokens", help="token counts, comma-separated (default: all)")
+    cli = parser.parse_args()
+    os.makedirs(cli.out, exist_ok=True)
+    counts = (tuple(int(t) for t in cli.tokens.split(",")) if cli.tokens
+              else cpu_tokens if cli.cpu else gpu_tokens)
+    copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
+    return cli, counts, copy
+
+
 def fp8_rows_variant(row: dict, fn, args: tuple, want: tuple, *, nbytes: float,
                      copy_GBps: float) -> dict:
     """timed_variant for fn(*args) -> (float8 values [R, C], per-row scales [R]): checked against

@@ -10,7 +10,6 @@ Times by `ceilings.time_chain`; % of copy bandwidth for the bytes read and writt
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -19,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.quant import quantize_fp8_rows, rms_norm
-from pallas_kernels.bench import fp8_rows_variant
-from pallas_kernels.ceilings import measure_ceilings
+from pallas_kernels.bench import fp8_rows_variant, token_sweep_cli
 from pallas_kernels.fp8_quant import fp8_quant, fp8_quant_reference
 
 TILES = [dict(block_rows=r, num_warps=w) for r, w in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))]
@@ -34,18 +32,9 @@ def xla_path(x, weight):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--tokens", help="token counts, comma-separated (default: all)")
-    cli = parser.parse_args()
-    os.makedirs(cli.out, exist_ok=True)
+    cli, token_counts, copy = token_sweep_cli((2, 8), (16, 64, 256, 512, 2048))
     hidden = 256 if cli.cpu else 4096
-    token_counts = (2, 8) if cli.cpu else (16, 64, 256, 512, 2048)
-    if cli.tokens:
-        token_counts = tuple(int(t) for t in cli.tokens.split(","))
     sweep_at = () if cli.cpu else (512, 2048)
-    copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
     rows = []
     for tokens in token_counts:
         k = jax.random.split(jax.random.key(tokens), 2)

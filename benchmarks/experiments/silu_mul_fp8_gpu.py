@@ -10,7 +10,6 @@ Times by `ceilings.time_chain`; % of copy bandwidth for the bytes read and writt
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -19,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models.quant import quantize_fp8_rows
-from pallas_kernels.bench import fp8_rows_variant
-from pallas_kernels.ceilings import measure_ceilings
+from pallas_kernels.bench import fp8_rows_variant, token_sweep_cli
 from pallas_kernels.silu_mul_fp8 import silu_mul_fp8, silu_mul_fp8_reference
 
 TILES = [dict(block_rows=r, block_cols=c, num_warps=w) for r, c, w in (
@@ -37,18 +35,9 @@ def xla_path(y, x_scale, w_scale):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--tokens", help="token counts, comma-separated (default: all)")
-    cli = parser.parse_args()
-    os.makedirs(cli.out, exist_ok=True)
+    cli, token_counts, copy = token_sweep_cli((1, 8), (1, 64, 256, 512, 2048))
     width = 256 if cli.cpu else 14336
-    token_counts = (1, 8) if cli.cpu else (1, 64, 256, 512, 2048)
-    if cli.tokens:
-        token_counts = tuple(int(t) for t in cli.tokens.split(","))
     sweep_at = () if cli.cpu else (256, 512, 2048)
-    copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
     rows = []
     for tokens in token_counts:
         k = jax.random.split(jax.random.key(tokens), 3)
