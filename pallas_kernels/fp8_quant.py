@@ -37,7 +37,7 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
 
 
 def row_scales(amax: jax.Array) -> jax.Array:
-    """Per-row absolute maxima [R] -> the rows' fp32 scales [R] (max / 448)."""
+    """Absolute maxima (per row, or of any other slice) -> their fp32 scales (max / 448)."""
     return jnp.maximum(amax, MIN_SCALE) / FP8_MAX
 
 

@@ -42,9 +42,7 @@ from jaxllm.models.layer_stacks import in_place, value
 from pallas_kernels import fp8_gemv, fp8_quant, int4_gemv, quant_matmul, silu_mul_fp8
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
+FP8, FP8_MAX = fp8_quant.FP8, fp8_quant.FP8_MAX
 SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu from here on: see fp8_swiglu_applies
 # the GEMVs (W8A16, W4A16) up to here: one row; the runner gives engines with such weights a
 # one-token bucket (worker/model_runner.py's token_buckets) for them
@@ -312,7 +310,7 @@ def _to_fp8(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """x -> (float8_e4m3fn values, fp32 scale kept as a size-1 `axis`): the scale is the absolute
     max over `axis` / 448, and x ~ values * scale."""
     x32 = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=axis, keepdims=True), _MIN_SCALE) / FP8_MAX
+    scale = fp8_quant.row_scales(jnp.max(jnp.abs(x32), axis=axis, keepdims=True))
     return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
