@@ -55,8 +55,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "s16": 2, "u16": 2, 
                 "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn)\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(ROOT )?%(\S+) = (.+?) (\w[\w-]*)\((.*?)\)(, .*)?$")
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "call", "while",
-         "conditional", "after-all", "partition-id", "replica-id"}
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "partition-id", "replica-id"}  # no launch (calls, loops, conditionals are walked)
 
 
 def shape_bytes(text: str) -> int:
