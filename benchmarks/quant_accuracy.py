@@ -1,6 +1,7 @@
 """What each quantisation costs on a real model: perplexity over a fixed corpus and agreement of
-greedy outputs with the 16-bit model, for bf16, FP8 weights, FP8 KV cache, both, and int4 (a
-GPTQ-format checkpoint this script writes by RTN, jaxllm/loader/gptq_writer.py).
+greedy outputs with the 16-bit model, for bf16, FP8 weights, FP8 KV cache, both, a block-wise
+FP8 checkpoint (128 x 128 scales, as Qwen3's FP8 releases; jaxllm/loader/fp8_writer.py) and
+int4 (a GPTQ-format checkpoint this script writes by RTN, jaxllm/loader/gptq_writer.py).
 
     python benchmarks/quant_accuracy.py [--model DIR] [--out docs/lab/...md]
 
@@ -11,15 +12,18 @@ casts exactly as the GPU rounds them; the numbers are the formats', not the kern
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.loader.default_model import default_model_dir
+from jaxllm.loader.fp8_writer import write_fp8
 from jaxllm.loader.gptq_writer import write_rtn_gptq
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "quant_corpus.txt")
@@ -34,11 +38,13 @@ PROMPTS = [
     "Summarise the plot of Romeo and Juliet.", "In 1969, the first humans", "Water boils at",
 ]
 NUM_TOKENS = 32
-CONFIGS = {  # name -> (checkpoint: "base" | "int4", EngineArgs fields)
+CONFIGS = {  # name -> (checkpoint: a key of main's checkpoints, EngineArgs fields)
     "bf16": ("base", {}),
     "fp8 weights": ("base", {"quantization": "fp8"}),
     "fp8 KV cache": ("base", {"kv_cache_dtype": "fp8"}),
     "fp8 weights + KV": ("base", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+    "fp8 block-wise checkpoint (128 x 128)": ("fp8_block", {}),
+    "the same, dequantised to bf16": ("fp8_block_bf16", {}),
     "int4 RTN (GPTQ, g64)": ("int4", {}),
 }
 
@@ -69,6 +75,34 @@ def agreement(outputs, reference) -> tuple[int, float]:
     return sum(p == NUM_TOKENS for p in prefix), sum(prefix) / len(prefix)
 
 
+def dequantized_copy(fp8_dir: str, block: tuple[int, int]) -> str:
+    """fp8_dir's block-wise linears dequantised to bf16 (the checkpoint's own rounding alone,
+    without jaxllm's per-channel requantisation), as a 16-bit checkpoint."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxllm.loader.quant_checkpoint import dequantize_blocks
+    from jaxllm.loader.safetensors_io import iter_tensors
+
+    out = tempfile.mkdtemp(prefix="fp8_block_bf16_")
+    tensors = dict(iter_tensors(os.path.join(fp8_dir, "model.safetensors")))
+    for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        weight = name.replace("_scale_inv", "")
+        w = np.asarray(dequantize_blocks(tensors[weight], tensors.pop(name), block))
+        tensors[weight] = w.astype(ml_dtypes.bfloat16)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    for name in os.listdir(fp8_dir):
+        if name.endswith(".json") or name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(fp8_dir, name), out)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    del config["quantization_config"]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="an HF directory (default: SmolLM2-135M)")
@@ -76,13 +110,19 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     args = parser.parse_args()
     base = args.model or default_model_dir()
-    int4_dir = write_rtn_gptq(base, tempfile.mkdtemp(prefix="rtn_gptq_"), group_size=64)
+    block_dir = functools.cache(lambda: write_fp8(
+        base, tempfile.mkdtemp(prefix="fp8_block_"),
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}))
+    checkpoints = {"base": lambda: base, "fp8_block": block_dir,
+                   "fp8_block_bf16": lambda: dequantized_copy(block_dir(), (128, 128)),
+                   "int4": lambda: write_rtn_gptq(base, tempfile.mkdtemp(prefix="rtn_gptq_"),
+                                                  group_size=64)}
     corpus_ids = None
     rows, reference = [], None
     for name in args.configs:
         checkpoint, extra = CONFIGS[name]
         start = time.time()
-        llm = LLM(base if checkpoint == "base" else int4_dir, dtype="bfloat16",
+        llm = LLM(checkpoints[checkpoint](), dtype="bfloat16",
                   enforce_eager=True, max_num_seqs=16, max_model_len=WINDOW + NUM_TOKENS + 64,
                   **extra)
         if corpus_ids is None:

@@ -3,12 +3,11 @@ qkv bias, Qwen3 with q/k norm; fp32, tokenizer included) and the converted defau
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import numpy as np
 import pytest
 
 CHATML_TEMPLATE = (
@@ -93,34 +92,10 @@ def save_tiny_checkpoint(kind: str, out_dir: str, tokenizer, seed: int = 0) -> s
 
 def write_fp8_checkpoint(model_dir: str, out_dir: str, quantization_config: dict,
                          extra_tensors: dict | None = None) -> str:
-    """model_dir with every decoder linear as float8_e4m3fn and a per-output-channel
-    weight_scale (the layout of vLLM's fp8 and of compressed-tensors' float8 channel scheme),
-    extra_tensors added, and quantization_config in its config."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from jaxllm.loader.safetensors_io import safetensors_files
-
-    tensors = {}
-    for path in safetensors_files(model_dir):
-        for name, t in load_file(path).items():
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0  # [N, 1]
-                tensors[name] = (t / scale).to(torch.float8_e4m3fn)
-                tensors[name.replace(".weight", ".weight_scale")] = scale.float()
-            else:
-                tensors[name] = t
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({**tensors, **(extra_tensors or {})}, os.path.join(out_dir, "model.safetensors"))
-    for name in os.listdir(model_dir):  # config, tokenizer
-        if name.endswith(".json") and name != "model.safetensors.index.json":
-            shutil.copy(os.path.join(model_dir, name), out_dir)
-    with open(os.path.join(out_dir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization_config
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f)
-    return out_dir
+    """model_dir with every decoder linear as float8_e4m3fn, scaled per output channel or per
+    block as quantization_config says (jaxllm/loader/fp8_writer.py), extra_tensors added."""
+    from jaxllm.loader.fp8_writer import write_fp8
+    return write_fp8(model_dir, out_dir, quantization_config, extra_tensors)
 
 
 def write_fp8_kv_scaled(model_dir: str, out_dir: str, kv_scales: dict[int, tuple]) -> str:
@@ -128,13 +103,11 @@ def write_fp8_kv_scaled(model_dir: str, out_dir: str, kv_scales: dict[int, tuple
     and a static per-tensor kv_cache_scheme with kv_scales (layer -> (k, v)) stored as each
     layer's self_attn.k_scale / v_scale, shaped [1] on layer 0 and [] elsewhere (writers
     differ)."""
-    import torch
-
     scales = {}
     for layer, (k, v) in kv_scales.items():
         shape = (1,) if layer == 0 else ()
-        scales[f"model.layers.{layer}.self_attn.k_scale"] = torch.full(shape, float(k))
-        scales[f"model.layers.{layer}.self_attn.v_scale"] = torch.full(shape, float(v))
+        scales[f"model.layers.{layer}.self_attn.k_scale"] = np.full(shape, k, np.float32)
+        scales[f"model.layers.{layer}.self_attn.v_scale"] = np.full(shape, v, np.float32)
     float8 = {"type": "float", "num_bits": 8, "symmetric": True}
     return write_fp8_checkpoint(model_dir, out_dir, {
         "quant_method": "compressed-tensors",

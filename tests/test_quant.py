@@ -141,6 +141,59 @@ def test_fp8_checkpoint_tensors_per_tensor_and_per_channel():
         np.testing.assert_allclose(np.asarray(dequantize(w)), want, rtol=1e-6)
 
 
+def block_dequantized(values, scale, block):
+    """The block-wise format's definition: w[n, k] = values[n, k] * scale[n // bn, k // bk]."""
+    n, k = values.shape
+    rows, cols = np.arange(n)[:, None] // block[0], np.arange(k)[None, :] // block[1]
+    return values.astype(np.float32) * scale[rows, cols]
+
+
+def per_channel_fp8(w):
+    """--quantization fp8's rounding of w [N, K] per output channel, in numpy."""
+    scale = np.maximum(np.abs(w).max(axis=1), 1e-12) / 448.0
+    return (w / scale[:, None]).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def assert_same_fp8(got, want):
+    """Equal float8 values, but for the rare value that lies within an fp32 rounding of a
+    float8 tie (XLA's division and numpy's may round it apart): those one float8 step away."""
+    got, want = np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+    apart = got != want
+    assert apart.mean() < 1e-3, apart.mean()
+    assert np.all(np.abs(got[apart].astype(int) - want[apart].astype(int)) == 1)
+
+
+@pytest.mark.parametrize("method,qconfig,scale_name", [
+    ("fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_scale_inv"),
+    ("compressed-tensors", {"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"type": "float", "num_bits": 8, "strategy": "block",
+                    "block_structure": [64, 32]}}}}, "weight_scale"),
+])
+def test_fp8_block_scales_requantised_per_channel(method, qconfig, scale_name):
+    """Block-wise scales (partial last blocks: N, K not multiples of the block) are read from
+    their definition and requantised per output channel, as --quantization fp8 would round the
+    block-dequantised weight; rows whose blocks share a scale and reach 448 keep their stored
+    values exactly."""
+    from jaxllm.loader.quant_checkpoint import fp8_block_size
+    block = fp8_block_size(qconfig)
+    rng = np.random.default_rng(7)
+    n, k = 200, 300
+    values = (rng.standard_normal((n, k)) * 100).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(1e-3, 1e-2, (-(-n // block[0]), -(-k // block[1]))).astype(np.float32)
+    scale[0] = scale[0, 0]  # the first block row: one scale along K
+    values[:block[0], 5] = 448
+    w = build_weight(method, {"weight": values, scale_name: scale}, qconfig, jnp.bfloat16)
+    assert isinstance(w, Fp8Weight) and w.shape == (k, n)
+    exact = block_dequantized(values, scale, block)
+    want_values, want_scale = per_channel_fp8(exact)
+    assert_same_fp8(w.values, want_values)
+    np.testing.assert_allclose(np.asarray(w.scale), want_scale, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(w.values)[:block[0]].view(np.uint8),
+                                  values[:block[0]].view(np.uint8))
+    back = np.asarray(dequantize(w)).T
+    assert np.all(np.abs(back - exact) <= 2 ** -4 * np.abs(exact) + 2 ** -9 * want_scale[:, None])
+
+
 # -- tiny models ----------------------------------------------------------------------------
 def logits_of(loaded, params, prompt):
     args = loaded.args
@@ -237,6 +290,48 @@ def test_fp8_moe_checkpoint_loads_its_experts_as_stored(kind, quant_method, tmp_
     at_load = quantize_params_fp8(fuse_params(load_model(base_dir, "float32").params,
                                               base.args.num_kv_heads))
     np.testing.assert_allclose(got, logits_of(base, at_load, PROMPT), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,qconfig", [
+    ("llama", {"quant_method": "fp8", "activation_scheme": "dynamic",
+               "weight_block_size": [16, 32]}),
+    ("qwen3_moe", {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "block",
+                                           "block_structure": [32, 16]}}}}),
+])
+def test_block_fp8_checkpoint_loads_requantised(kind, qconfig, tiny_llama_dir, tmp_path):
+    """A block-wise FP8 checkpoint (Qwen3's / DeepSeek's FP8 layout) loads as per-channel FP8
+    (experts as Fp8Experts): each linear the numpy requantisation of its block-dequantised
+    stored weight, and the logits within FP8's stated tolerance of the 16-bit model's."""
+    from test_moe import save_tiny_moe
+
+    from jaxllm.loader.quant_checkpoint import fp8_block_size
+    from jaxllm.loader.safetensors_io import iter_tensors
+    from jaxllm.models.quant import Fp8Experts
+    base_dir = (tiny_llama_dir if kind == "llama"
+                else save_tiny_moe(kind, str(tmp_path / "base"), seed=5))
+    out = write_fp8_checkpoint(base_dir, str(tmp_path / "fp8"), qconfig)
+    quant = load_model(out, "float32", quantization=qconfig["quant_method"])
+    stored = dict(iter_tensors(os.path.join(out, "model.safetensors")))
+    scale_name = "weight_scale_inv" if qconfig["quant_method"] == "fp8" else "weight_scale"
+    prefix = ("model.layers.1.mlp.down_proj" if kind == "llama"
+              else "model.layers.1.mlp.experts.3.down_proj")
+    assert stored[f"{prefix}.{scale_name}"].ndim == 2
+    want_values, want_scale = per_channel_fp8(block_dequantized(
+        stored[f"{prefix}.weight"], stored[f"{prefix}.{scale_name}"], fp8_block_size(qconfig)))
+    down = quant.params["layers"][1]["experts_down" if kind != "llama" else "w_down"]
+    if kind == "llama":
+        assert isinstance(down, Fp8Weight)
+        values, scale = np.asarray(down.values), np.asarray(down.scale)
+    else:
+        assert isinstance(down, Fp8Experts)
+        values, scale = np.asarray(down.values[3]).T, np.asarray(down.scale[3])
+    assert_same_fp8(values, want_values)
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+    got = logits_of(quant, fuse_params(quant.params, quant.args.num_kv_heads), PROMPT)
+    base = load_model(base_dir, "float32")
+    want = logits_of(base, fuse_params(base.params, base.args.num_kv_heads), PROMPT)
+    assert np.isfinite(got).all() and rel(got, want) < 0.15  # the dense model's FP8 tolerance
 
 
 @pytest.mark.parametrize("sym,desc_act", [(True, False), (False, True)])
@@ -358,7 +453,11 @@ def config_with(tmp_path, quantization_config=None, **extra):
     (None, {"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit weights"),
     (None, {"quant_method": "gptq", "bits": 4, "group_size": 16}, "group_size 16"),
     (None, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "GEMM"),
-    (None, {"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    (None, {"quant_method": "fp8", "weight_block_size": [128]}, "2-D blocks"),
+    (None, {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+     "scale_fmt 'ue8m0'"),
+    (None, {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "type": "float", "num_bits": 8, "strategy": "block"}}}}, "block-wise"),
     (None, {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "type": "int", "num_bits": 4, "strategy": "group"}}}}, "float8 weights"),
     (None, {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {

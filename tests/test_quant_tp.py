@@ -1,5 +1,5 @@
 """Quantised models with tensor parallelism: FP8 (quantised at load, with and without an FP8 KV
-cache, an fp8 checkpoint, and an MoE one at TP=2 and EP=2), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
+cache, an fp8 checkpoint, and a block-wise MoE one at TP=2 and EP=2), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
 logprobs of the same quantised model on one device; the int4 K-split layout against the
 unsplit one; the refusals.
 
@@ -84,11 +84,13 @@ def write_awq(gptq_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def write_fp8(model_dir: str, out_dir: str) -> str:
+def write_fp8(model_dir: str, out_dir: str, block: list[int] | None = None) -> str:
     """The checkpoint in vLLM's fp8 format: float8_e4m3fn weights and a per-output-channel
-    weight_scale."""
+    weight_scale, or block-wise scales (weight_block_size, weight_scale_inv)."""
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     return write_fp8_checkpoint(model_dir, out_dir,
-                                {"quant_method": "fp8", "activation_scheme": "dynamic"})
+                                qconfig if block is None else {**qconfig,
+                                                               "weight_block_size": block})
 
 
 # -- the child: every run on 4 devices ------------------------------------------------------
@@ -162,7 +164,7 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
     fp8 = write_fp8(tiny_llama_dir, str(tmp_path / "fp8"))
     from test_moe import save_tiny_moe
     fp8_moe = write_fp8(save_tiny_moe("qwen3_moe", str(tmp_path / "moe"), seed=2),
-                        str(tmp_path / "fp8_moe"))
+                        str(tmp_path / "fp8_moe"), block=[16, 32])  # block-wise: requantised
     proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, fp8, gptq, awq, fp8_moe],
                           env=env,
                           capture_output=True, text=True, timeout=400, cwd=ROOT)

@@ -6,6 +6,10 @@ Formats, as their writers define them (HF weights are [out, in] = [N, K]):
       value per tensor ([] or [1]) or per output channel ([N] or [N, 1]); `input_scale` (static
       activation scales) is read and not used: activations are scaled per token. An MoE's
       experts are linears of their own (`experts.{e}.gate_proj` ...), stacked after reading.
+      Block-wise (fp8's `weight_block_size` [bn, bk] with `weight_scale_inv`, compressed-tensors'
+      `block` strategy with `weight_scale`): scales [cdiv(N, bn), cdiv(K, bk)], w = values times
+      its block's scale. Requantised per output channel at load (one more float8 rounding: the
+      accuracy table in docs/quantization.md), so every FP8 kernel and layout serves them.
   gptq: `qweight` [K / 8, N] int32, nibble i of word r = row 8r + i; `qzeros` [K / g, N / 8]
       int32, nibble i of word c = column 8c + i, stored minus one (GPTQ's v1 format);
       `scales` [K / g, N]; `g_idx` [K]: the group of each input row (act order permutes it).
@@ -16,6 +20,7 @@ Formats, as their writers define them (HF weights are [out, in] = [N, K]):
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -27,12 +32,13 @@ from jax.sharding import NamedSharding
 from jaxllm.models import ModelArgs
 from jaxllm.loader.hf_names import map_hf_name, split_expert_path
 from jaxllm.models.quant import (INT4_CHUNK_ROWS, Fp8Experts, Fp8Weight, Int4Weight, k_shards_of,
-                                 pack_int4, shard_weight)
+                                 pack_int4, quantize_fp8, shard_weight)
 
 logger = logging.getLogger(__name__)
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale", "weight")
+_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv",
+             "input_scale", "weight")
 _GPTQ_GROUPS = (32, 64, 128)
 
 
@@ -47,9 +53,18 @@ def check_supported(method: str | None, hf_config: dict, args: ModelArgs,
         _check_int4_row_split(method, qconfig, args, tensor_parallel_size)
     elif method == "compressed-tensors":
         _check_compressed_tensors(qconfig)
-    if method == "fp8" and qconfig.get("weight_block_size"):
-        raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not "
-                         "supported by jaxllm yet: only per-tensor and per-channel scales.")
+    if method == "fp8":
+        _check_fp8_blocks(qconfig)
+
+
+def _check_fp8_blocks(qconfig: dict) -> None:
+    block = qconfig.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise ValueError(f"weight_block_size {block} is not supported: jaxllm reads 2-D blocks "
+                         "[block_n, block_k].")
+    if str(qconfig.get("scale_fmt") or "float") != "float":
+        raise ValueError(f"fp8 checkpoints with scale_fmt {qconfig['scale_fmt']!r} are not "
+                         "supported: jaxllm reads float32 block scales.")
 
 
 # Hopper/Ada for FP8 (tensor cores and Triton's float8 casts); the int4 kernel needs Ampere
@@ -106,10 +121,13 @@ def _check_int4_row_split(method: str, qconfig: dict, args: ModelArgs, tp: int) 
 def _check_compressed_tensors(qconfig: dict) -> None:
     for name, group in (qconfig.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
+        block = weights.get("block_structure") if weights.get("strategy") == "block" else None
         if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or \
-                weights.get("strategy") not in ("tensor", "channel"):
+                weights.get("strategy") not in ("tensor", "channel", "block") or \
+                (weights.get("strategy") == "block" and (not block or len(block) != 2)):
             raise ValueError(f"compressed-tensors scheme {name} ({weights}) is not supported: "
-                             "jaxllm reads float8 weights with per-tensor or per-channel scales.")
+                             "jaxllm reads float8 weights with per-tensor, per-channel or 2-D "
+                             "block-wise scales.")
     kv = qconfig.get("kv_cache_scheme")
     if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != ("float", 8, "tensor")
                or kv.get("dynamic")):
@@ -123,7 +141,7 @@ def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dty
     the loader and fuse_params use (before fusion), placed per `sharding` (the plain matrix's:
     models/quant.shard_weight; None: the default device)."""
     if "weight" in tensors:
-        return shard_weight(_fp8_weight(tensors), sharding)
+        return shard_weight(_fp8_weight(tensors, fp8_block_size(qconfig)), sharding)
     if method == "gptq":
         q, zeros, scales, g_idx = unpack_gptq(tensors, qconfig)
     else:
@@ -133,13 +151,45 @@ def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dty
                         sharding)
 
 
-def _fp8_weight(tensors: dict[str, np.ndarray]) -> Fp8Weight:
+def fp8_block_size(qconfig: dict) -> tuple[int, int] | None:
+    """[block_n, block_k] of a block-wise FP8 checkpoint's scales, else None."""
+    if qconfig.get("weight_block_size"):
+        return tuple(qconfig["weight_block_size"])
+    for group in (qconfig.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("strategy") == "block":
+            return tuple(weights["block_structure"])
+    return None
+
+
+def _fp8_weight(tensors: dict[str, np.ndarray], block: tuple[int, int] | None) -> Fp8Weight:
     values = tensors["weight"]  # [N, K]
-    scale = np.asarray(tensors["weight_scale"], np.float32).reshape(-1)
-    if scale.size not in (1, values.shape[0]):
-        raise ValueError(f"weight_scale of {scale.size} values for a [{values.shape[0]}, "
-                         f"{values.shape[1]}] weight: only per-tensor and per-channel scales.")
-    return Fp8Weight(values, np.ascontiguousarray(np.broadcast_to(scale, (values.shape[0],))))
+    n, k = values.shape
+    scale = np.asarray(tensors.get("weight_scale_inv", tensors.get("weight_scale")), np.float32)
+    if block is not None and scale.shape == (-(-n // block[0]), -(-k // block[1])):
+        return requantize_blocks(values, scale, block)
+    scale = scale.reshape(-1)
+    if scale.size not in (1, n):
+        raise ValueError(f"weight_scale of shape {list(scale.shape)} for a [{n}, {k}] weight: "
+                         f"only per-tensor, per-channel and block-wise scales (block {block}).")
+    return Fp8Weight(values, np.ascontiguousarray(np.broadcast_to(scale, (n,))))
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def requantize_blocks(values, scale, block: tuple[int, int]) -> Fp8Weight:
+    """A block-wise FP8 weight (values [N, K] float8, scale [cdiv(N, bn), cdiv(K, bk)]) ->
+    Fp8Weight with one scale per output channel, rounded as `--quantization fp8` rounds a
+    16-bit weight (quantize_fp8), on the default device."""
+    return quantize_fp8(dequantize_blocks(values, scale, block).T)
+
+
+def dequantize_blocks(values, scale, block: tuple[int, int]) -> jax.Array:
+    """values [N, K] float8, scale [cdiv(N, bn), cdiv(K, bk)] -> w [N, K] float32: each value
+    times its block's scale (the last blocks may be partial)."""
+    n, k = values.shape
+    scale = jnp.repeat(jnp.repeat(jnp.asarray(scale, jnp.float32), block[0], axis=0)[:n],
+                       block[1], axis=1)[:, :k]
+    return jnp.asarray(values).astype(jnp.float32) * scale
 
 
 def _unpack_rows(packed: np.ndarray) -> np.ndarray:
@@ -236,6 +286,11 @@ class QuantizedLinears:
         """Yields (checkpoint name of the linear's weight, quantised weight) for each linear,
         placed per shardings(checkpoint name of the weight); an MoE expert's FP8 weight stays
         on the host, for stack_fp8_experts."""
+        block = fp8_block_size(self.qconfig)
+        if block is not None:
+            logger.warning("Block-wise FP8 scales (block %s) are requantised per output channel "
+                           "at load: one more float8 rounding (its cost: docs/quantization.md); "
+                           "jaxllm has no block-scaled FP8 kernels yet.", list(block))
         if any("input_scale" in t for t in self.tensors.values()):
             logger.info("The checkpoint's static input scales are not used: activations are "
                         "quantised per token.")
@@ -244,7 +299,7 @@ class QuantizedLinears:
                 raise ValueError(f"Quantised linear {base} has {sorted(tensors)} but no weight.")
             name = f"{base}.weight"
             if "weight" in tensors and split_expert_path(map_hf_name(name)[0])[1] is not None:
-                yield name, _fp8_weight(tensors)
+                yield name, _fp8_weight(tensors, fp8_block_size(self.qconfig))
             else:
                 yield name, build_weight(self.method, tensors, self.qconfig, self.dtype,
                                          shardings(name))
