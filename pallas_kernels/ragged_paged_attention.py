@@ -270,10 +270,15 @@ def _merge_splits(o_split, lse_split):
     return merged / functools.reduce(jnp.add, weight)[..., None]
 
 
+def _fills_gpu(num_tokens, max_seqs, block_q, num_kv_heads) -> bool:
+    """Whether the bucket's (sequence, head) programs can fill the GPU without KV splits."""
+    return max(max_seqs, pl.cdiv(num_tokens, block_q)) * num_kv_heads >= _num_sms()
+
+
 def _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles) -> int:
     """Split KV only when too few (sequence, head) programs could fill the GPU: few long decodes.
     The most splits one live sequence would take; the kernel uses fewer when more are live."""
-    if max(max_seqs, pl.cdiv(num_tokens, block_q)) * num_kv_heads >= _num_sms():
+    if _fills_gpu(num_tokens, max_seqs, block_q, num_kv_heads):
         return 1
     return max(1, min(pl.cdiv(2 * _num_sms(), num_kv_heads), num_tiles // 4))
 
@@ -385,16 +390,20 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     # decode reads 128-token KV tiles best (8 warps and 3 stages without splits, 4 and 2 with),
     # prefill 64-token tiles with 2 stages. Wider tiles of fp32 or head_dim 256 would not fit
     # shared memory at those depths. Float8 pages (V as int16 pairs) read fastest in 128-token
-    # tiles too, at 4 warps and 2 stages (benchmarks/experiments/fp8_kv_attention_gpu.py,
+    # tiles too, at 4 warps and 3 stages; with KV splits (V read as float8, not pairs: 255
+    # registers at 128 tokens) in 64-token tiles (benchmarks/experiments/fp8_kv_attention_gpu.py,
     # ncu_kernels.py).
     fp8_pages = k_cache.dtype == jnp.float8_e4m3fn
     decode_16bit = decode_bucket and q.dtype.itemsize <= 2 and head_dim <= 128
+    fp8_split_decode = (fp8_pages and decode_16bit and num_kv_splits != 1
+                        and not _fills_gpu(num_tokens, max_seqs, block_q, num_kv_heads))
     if block_k is None:
-        block_k = 128 if decode_16bit else 64 if head_dim <= 128 else 32
+        block_k = (64 if fp8_split_decode else 128) if decode_16bit else (
+            64 if head_dim <= 128 else 32)
     num_tiles = pl.cdiv(max_pages * page_size, block_k)
     if num_kv_splits is None:
         num_kv_splits = _default_num_splits(num_tokens, max_seqs, block_q, num_kv_heads, num_tiles)
-    deep = decode_16bit and not fp8_pages and num_kv_splits == 1
+    unsplit_decode = decode_16bit and num_kv_splits == 1
     if block_q * group_pad < 16 or block_q & (block_q - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_q * {group_pad} (={block_q * group_pad}) and block_k={block_k} "
                          "must be powers of two >= 16")
@@ -432,8 +441,8 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         out_shape=out_shape,
         input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
         compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps or (8 if deep else 4),
-            num_stages=num_stages or (3 if deep else 2)),
+            num_warps=num_warps or (8 if unsplit_decode and not fp8_pages else 4),
+            num_stages=num_stages or (3 if unsplit_decode else 2)),
         interpret=interpret,
         name="ragged_paged_attention",
     )(*inputs, *out_init)
