@@ -27,3 +27,18 @@ def test_kernels_count_what_they_touch_not_what_they_index():
     assert found["add"] == 2 * 8 * 256 * 4 + 8 * 4  # the rows gathered and written, the ids
     summary = deviceless_step.summarize(launched, 1, 10)
     assert summary["kernels"] == 2 and summary["bytes"] == sum(found.values())
+
+
+def test_a_kernel_given_a_layer_stack_reads_one_row():
+    """A Pallas call's operand from params["layer_stacks"] ([L, ...], read in place at its
+    layer, here through a bitcast) counts one row; other operands count whole."""
+    hlo = """ENTRY %main (a: bf16[32,8,16], b: bf16[1,16]) -> f32[1,8] {
+  %params__layer_stacks____wo_scales__.1 = bf16[32,8,16]{2,1,0} parameter(0)
+  %bitcast.7 = bf16[32,128]{1,0} bitcast(%params__layer_stacks____wo_scales__.1)
+  %x.1 = bf16[1,16]{1,0} parameter(1)
+  ROOT %pallas_call.1 = f32[1,8]{1,0} custom-call(%x.1, %bitcast.7), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jit(int4_gemv)/pallas_call"}
+}"""
+    comps, entry = deviceless_step.parse_computations(hlo)
+    [kernel] = deviceless_step.kernels(comps, entry)
+    assert kernel["label"] == "pallas:int4_gemv"
+    assert kernel["bytes"] == 16 * 2 + 8 * 16 * 2 + 8 * 4  # x, one row of the stack, the output

@@ -13,7 +13,8 @@ Needs jax's CUDA plugin in the environment (it compiles without a driver):
 
 Bytes are each kernel's operands and results, an operand that the kernel only slices (a
 layer's row of a stack, a page gather) counted as the slice, an in-place update as the
-update: a floor on its traffic, not a measurement.
+update: a floor on its traffic, not a measurement. A Pallas kernel given a whole layer stack
+(params["layer_stacks"], read in place at its layer) counts one row of it.
 """
 
 from __future__ import annotations
@@ -114,6 +115,15 @@ def _in_place_update(comp: list, shapes: dict) -> int | None:
     return shape_bytes(local.get(update, shapes.get(update, "")))
 
 
+def _stack_row(name: str, shape: str) -> int:
+    """The bytes a kernel reads of operand `name`: one layer's row of a layer stack (an entry
+    parameter of params["layer_stacks"], [L, ...]), else the whole array."""
+    found = _SHAPE.search(shape)
+    if "layer_stacks" not in name or not found or not found.group(2):
+        return shape_bytes(shape)
+    return shape_bytes(shape) // int(found.group(2).split(",")[0])
+
+
 def _label(op: str, instr: str, attrs: str) -> str:
     """A kernel's name for the tally: a Pallas kernel's function, a fusion's kind of root and
     the jax op it came from."""
@@ -131,6 +141,14 @@ def kernels(comps: dict, entry: str) -> list[dict]:
     loop's body counted once). Attention's bytes are its queries and outputs only: the KV it
     reads depends on the batch's context lengths."""
     shapes = {n: s for comp in comps.values() for n, s, *_ in comp}
+    bitcast_of = {n: ops[0] for comp in comps.values() for n, _, op, ops, _ in comp
+                  if op == "bitcast" and ops}
+
+    def source(name: str) -> str:  # the array a chain of bitcasts views
+        while name in bitcast_of:
+            name = bitcast_of[name]
+        return name
+
     out = []
 
     def walk(name: str) -> None:
@@ -145,7 +163,8 @@ def kernels(comps: dict, entry: str) -> list[dict]:
                 continue
             label = _label(op, instr, attrs)
             fused = comps.get(called[0]) if op == "fusion" and called else None
-            sizes = [shape_bytes(shapes.get(o, "")) for o in operands]
+            sizes = [_stack_row(source(o), shapes.get(o, "")) if fused is None else
+                     shape_bytes(shapes.get(o, "")) for o in operands]
             if label == "pallas:ragged_paged_attention":
                 sizes = [b for b in sizes if b < shape_bytes(shape) * 4]
             read = sum(b if fused is None or _param_traffic(fused, i) is None
