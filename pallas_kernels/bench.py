@@ -7,8 +7,8 @@
    prefill (the Triton and the Mosaic GPU kernel) against cuDNN dense causal flash attention
    and the XLA reference; a mixed batch;
    the KV write (Pallas vs XLA scatter). Writes results.json under --out, prints a table last.
-Timing: `ceilings.time_chain` (11 and 1 chained calls in one jit, the difference / 10), KV pages
-rotated among disjoint block-table copies so that small cases miss L2.
+Timing: `ceilings.time_chain` (11 or 101 and 1 chained calls in one jit, the difference per
+call), KV pages rotated among disjoint block-table copies so that small cases miss L2.
 """
 
 from __future__ import annotations

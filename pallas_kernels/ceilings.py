@@ -30,11 +30,14 @@ def time_calls(fn, *args, reps: int = 20) -> float:
     return best
 
 
-def time_chain(call, x, *args, donate: bool = False, reps: int = 5) -> float:
+def time_chain(call, x, *args, donate: bool = False, reps: int = 5,
+               min_extra_s: float = 5e-4) -> float:
     """Seconds per `x = call(x, i, *args)` (i: the call's index, for rotating inputs), for calls
-    too short for `time_calls`: 11 and 1 calls unrolled in one jit, each call's output the next
-    one's input (nothing can be hoisted or merged), medians of `reps` runs; (t(11) - t(1)) / 10
-    cancels the dispatch. NaN when the difference is not positive (below the resolution)."""
+    too short for `time_calls`: n and 1 calls unrolled in one jit, each call's output the next
+    one's input (nothing can be hoisted or merged), medians of `reps` runs; (t(n) - t(1)) /
+    (n - 1) cancels the dispatch. n is 11, or 101 where ten calls take under `min_extra_s` (a
+    few microseconds each: the host's jitter would swamp them). NaN when the difference is not
+    positive (below the resolution)."""
     def chain(n):
         nonlocal x
 
@@ -50,8 +53,13 @@ def time_chain(call, x, *args, donate: bool = False, reps: int = 5) -> float:
             x = jax.block_until_ready(fn(x, *args))
             times.append(time.perf_counter() - start)
         return float(np.median(times))
-    extra = chain(11) - chain(1)
-    return extra / 10 if extra > 0 else float("nan")
+    once = chain(1)
+    calls = 11
+    extra = chain(calls) - once
+    if extra < min_extra_s:
+        calls = 101
+        extra = chain(calls) - once
+    return extra / (calls - 1) if extra > 0 else float("nan")
 
 
 @dataclass
