@@ -272,3 +272,25 @@ def test_a_float8_cache_the_triton_kernel_cannot_address_is_refused():
     jax.eval_shape(fn, *args(2**17))  # 2 GiB: addressable
     with pytest.raises(ValueError, match="not addressable"):
         jax.eval_shape(fn, *args(2**17 + 1))
+
+
+def test_fp8_decode_tiling_defaults():
+    """The measured tilings (docs/lab/2026-12-05-session29.md): float8 pages without KV splits
+    (512 decodes) at 4 warps and 3 stages, bf16 pages at 8 and 3; with splits (8 decodes of up
+    to 2,048 tokens) 64-token tiles, so 2,048 / 64 / 4 = 8 splits where 128-token tiles give 4."""
+    sds = jax.ShapeDtypeStruct
+
+    def tiling(num_seqs, dtype):
+        cache = sds((4096, 16, 8, 128), dtype)
+        args = (sds((num_seqs, 32, 128), jnp.bfloat16), cache, cache, sds((num_seqs,), jnp.int32),
+                sds((num_seqs, 128), jnp.int32), sds((num_seqs + 1,), jnp.int32),
+                sds((1,), jnp.int32))
+        jaxpr = jax.make_jaxpr(functools.partial(_triton_attention, sm_scale=0.1))(*args)
+        [call] = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        params = call.params["compiler_params"]
+        return params.num_warps, params.num_stages, call.params["grid_mapping"].grid[2]
+
+    assert tiling(512, FP8) == (4, 3, 1)
+    assert tiling(512, jnp.bfloat16) == (8, 3, 1)
+    assert tiling(8, FP8) == (4, 2, 8)
+    assert tiling(8, jnp.bfloat16) == (4, 2, 4)
