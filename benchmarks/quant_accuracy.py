@@ -17,7 +17,6 @@ import gc
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 
@@ -80,27 +79,16 @@ def dequantized_copy(fp8_dir: str, block: tuple[int, int]) -> str:
     without jaxllm's per-channel requantisation), as a 16-bit checkpoint."""
     import ml_dtypes
     import numpy as np
-    from safetensors.numpy import save_file
 
     from jaxllm.loader.quant_checkpoint import dequantize_blocks
-    from jaxllm.loader.safetensors_io import iter_tensors
+    from jaxllm.loader.safetensors_io import iter_tensors, write_checkpoint
 
-    out = tempfile.mkdtemp(prefix="fp8_block_bf16_")
     tensors = dict(iter_tensors(os.path.join(fp8_dir, "model.safetensors")))
     for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
         weight = name.replace("_scale_inv", "")
         w = np.asarray(dequantize_blocks(tensors[weight], tensors.pop(name), block))
         tensors[weight] = w.astype(ml_dtypes.bfloat16)
-    save_file(tensors, os.path.join(out, "model.safetensors"))
-    for name in os.listdir(fp8_dir):
-        if name.endswith(".json") or name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(fp8_dir, name), out)
-    with open(os.path.join(out, "config.json")) as f:
-        config = json.load(f)
-    del config["quantization_config"]
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f)
-    return out
+    return write_checkpoint(fp8_dir, tempfile.mkdtemp(prefix="fp8_block_bf16_"), tensors, None)
 
 
 def main() -> None:

@@ -10,32 +10,22 @@ checkpoint is at hand.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 
 import ml_dtypes
 import numpy as np
 
 from jaxllm.loader.quant_checkpoint import fp8_block_size
-from jaxllm.loader.safetensors_io import iter_tensors, safetensors_files
-from jaxllm.models.quant import FP8_MAX
-
-
-def quantize_channels(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """w [N, K] -> (float8 values [N, K], scale [N, 1]): each row's absolute max / 448."""
-    w = w.astype(np.float32)
-    scale = np.maximum(np.abs(w).max(axis=1, keepdims=True), 1e-12) / FP8_MAX
-    return np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), scale
+from jaxllm.loader.safetensors_io import iter_tensors, safetensors_files, write_checkpoint
+from jaxllm.models.quant import FP8_MAX, MIN_SCALE
 
 
 def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """w [N, K] -> (float8 values [N, K], scale [cdiv(N, bn), cdiv(K, bk)]): each block's
-    absolute max / 448 (the last blocks may be partial)."""
+    absolute max / 448 (the last blocks may be partial; block (1, K): per output channel)."""
     (n, k), (bn, bk) = w.shape, block
     padded = np.pad(np.abs(w.astype(np.float32)), ((0, -n % bn), (0, -k % bk)))
     amax = padded.reshape(padded.shape[0] // bn, bn, -1, bk).max(axis=(1, 3))
-    scale = np.maximum(amax, 1e-12) / FP8_MAX  # [Nb, Kb]
+    scale = np.maximum(amax, MIN_SCALE) / FP8_MAX  # [Nb, Kb]
     full = np.repeat(np.repeat(scale, bn, axis=0)[:n], bk, axis=1)[:, :k]
     values = np.clip(w.astype(np.float32) / full, -FP8_MAX, FP8_MAX)
     return values.astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
@@ -51,34 +41,19 @@ def write_fp8(model_dir: str, out_dir: str, quantization_config: dict,
     names blocks: `weight_scale_inv` under fp8, `weight_scale` under compressed-tensors; else
     per channel, `weight_scale`), the other tensors as stored, extra_tensors added, the config
     with quantization_config, and the tokenizer and generation files copied."""
-    from safetensors.numpy import save_file
-
     block = fp8_block_size(quantization_config)
     scale_name = ("weight_scale_inv" if block and quantization_config.get("quant_method") == "fp8"
                   else "weight_scale")
     tensors = {}
     for path in safetensors_files(model_dir):
         for name, host in iter_tensors(path):
-            if _is_linear(name):
-                values, scale = (quantize_blocks(host, block) if block
-                                 else quantize_channels(host))
-                tensors[name] = values
-                tensors[name.replace(".weight", f".{scale_name}")] = scale
+            if _is_linear(name):  # per channel: [N, 1] scales
+                tensors[name], tensors[name.replace(".weight", f".{scale_name}")] = (
+                    quantize_blocks(host, block or (1, host.shape[1])))
             else:
                 tensors[name] = np.asarray(host)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({**tensors, **(extra_tensors or {})}, os.path.join(out_dir, "model.safetensors"))
-    for name in os.listdir(model_dir):
-        if not name.endswith(".safetensors") and name not in ("config.json",
-                                                              "model.safetensors.index.json"):
-            if os.path.isfile(os.path.join(model_dir, name)):
-                shutil.copy(os.path.join(model_dir, name), out_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization_config
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return out_dir
+    return write_checkpoint(model_dir, out_dir, {**tensors, **(extra_tensors or {})},
+                            quantization_config)
 
 
 def main() -> None:

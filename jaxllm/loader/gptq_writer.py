@@ -9,13 +9,10 @@ hand. No Hessian, so it is worse than real GPTQ at the same size.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 
 import numpy as np
 
-from jaxllm.loader.safetensors_io import iter_tensors, safetensors_files
+from jaxllm.loader.safetensors_io import iter_tensors, safetensors_files, write_checkpoint
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -58,9 +55,6 @@ def write_rtn_gptq(model_dir: str, out_dir: str, group_size: int = 128, sym: boo
     and the tokenizer and generation files copied. desc_act: groups over a random permutation
     of the input rows (the shape of GPTQ's act-order checkpoints; the same one for every linear
     reading the same input, as GPTQ's is)."""
-    from safetensors.numpy import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng(seed)
     perms: dict[tuple[str, int], np.ndarray] = {}
     tensors = {}
@@ -78,18 +72,9 @@ def write_rtn_gptq(model_dir: str, out_dir: str, group_size: int = 128, sym: boo
             else:
                 tensors[name] = np.asarray(host, np.float32 if host.dtype.itemsize == 2 and
                                            host.dtype != np.float16 else host.dtype)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
-                                     "desc_act": desc_act, "sym": sym,
-                                     "checkpoint_format": "gptq"}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    for name in os.listdir(model_dir):
-        if name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")):
-            shutil.copy(os.path.join(model_dir, name), out_dir)
-    return out_dir
+    return write_checkpoint(model_dir, out_dir, tensors, {
+        "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act,
+        "sym": sym, "checkpoint_format": "gptq"})
 
 
 def main() -> None:

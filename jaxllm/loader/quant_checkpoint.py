@@ -284,8 +284,8 @@ class QuantizedLinears:
 
     def weights(self, shardings: Callable[[str], NamedSharding | None]):
         """Yields (checkpoint name of the linear's weight, quantised weight) for each linear,
-        placed per shardings(checkpoint name of the weight); an MoE expert's FP8 weight stays
-        on the host, for stack_fp8_experts."""
+        placed per shardings(checkpoint name of the weight); an MoE expert's FP8 weight is left
+        unplaced, for stack_fp8_experts."""
         block = fp8_block_size(self.qconfig)
         if block is not None:
             logger.warning("Block-wise FP8 scales (block %s) are requantised per output channel "
@@ -306,7 +306,8 @@ class QuantizedLinears:
 
 
 def stack_fp8_experts(experts: list[Fp8Weight]) -> Fp8Experts:
-    """One MoE layer's experts, each an FP8 weight of host arrays (values [N, K], scale [N]),
-    in expert order -> Fp8Experts of host arrays (values [E, K, N], scale [E, N])."""
+    """One MoE layer's experts, each an FP8 weight (values [N, K], scale [N]; host arrays, or
+    device ones where requantised from blocks), in expert order -> Fp8Experts of host arrays
+    (values [E, K, N], scale [E, N])."""
     return Fp8Experts(np.stack([np.ascontiguousarray(w.values.T) for w in experts]),
                       np.stack([w.scale for w in experts]))

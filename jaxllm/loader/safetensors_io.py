@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from typing import Iterator
 
@@ -57,3 +58,27 @@ def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
 
 def count_tensors(paths: list[str]) -> int:
     return sum(len(read_header(p)[0]) for p in paths)
+
+
+def write_checkpoint(model_dir: str, out_dir: str, tensors: dict[str, np.ndarray],
+                     quantization_config: dict | None) -> str:
+    """out_dir as model_dir with `tensors` for its weights (one model.safetensors), its config's
+    quantization_config replaced (None: removed), and its other files (tokenizer, generation
+    config) copied: the checkpoint writers' common part."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    for name in os.listdir(model_dir):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path) and not name.endswith(".safetensors") and name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy(path, out_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir

@@ -42,7 +42,7 @@ from jaxllm.models.layer_stacks import in_place, value
 from pallas_kernels import fp8_gemv, fp8_quant, int4_gemv, quant_matmul, silu_mul_fp8
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
-FP8, FP8_MAX = fp8_quant.FP8, fp8_quant.FP8_MAX
+FP8, FP8_MAX, MIN_SCALE = fp8_quant.FP8, fp8_quant.FP8_MAX, fp8_quant.MIN_SCALE
 SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu from here on: see fp8_swiglu_applies
 # the GEMVs (W8A16, W4A16) up to here: one row; the runner gives engines with such weights a
 # one-token bucket (worker/model_runner.py's token_buckets) for them
