@@ -70,7 +70,7 @@ def random_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, p
     lens = np.zeros(max_seqs, np.int32)
     lens[:num_seqs] = kv_lens
     num_tokens = num_tokens or int(cu[-1])
-    cache = (num_pages, page_size, num_kv_heads, head_dim)
+    cache = (num_pages, num_kv_heads, page_size, head_dim)
     return dict(q=jax.random.normal(kq, (num_tokens, num_q_heads, head_dim), dtype),
                 k_cache=jax.random.normal(kk, cache, dtype),
                 v_cache=jax.random.normal(kv, cache, dtype), kv_lens=jnp.asarray(lens),
@@ -214,7 +214,7 @@ def correctness(decode_tiles, prefill_tiles):
                                page_size=page_size, dtype=dtype, mosaic=True, sm_scale=0.088))
     results.append(guarded(check_case, "mosaic 1 x 2048 chunk over 2048", next(key), [2048],
                            [4096], HEADS, mosaic=True, sm_scale=0.088))
-    k_cache, v_cache = (jax.random.normal(next(key), (64, PAGE, 8, 128), jnp.bfloat16)
+    k_cache, v_cache = (jax.random.normal(next(key), (64, 8, PAGE, 128), jnp.bfloat16)
                         for _ in range(2))
     k, v = (jax.random.normal(next(key), (100, 8, 128), jnp.bfloat16) for _ in range(2))
     slots = jnp.asarray(rng.permutation(np.arange(PAGE, 64 * PAGE))[:100], jnp.int32)
@@ -253,10 +253,11 @@ def xla_ref(q, i, b):
 
 
 def jax_paged_decode(b):
-    """jax's Pallas paged_attention wants pages [Hkv, N, P, D] and tables without padding rows.
+    """jax's Pallas paged_attention wants pages [Hkv, N, P, D] (ours are [N, Hkv, P, D]) and
+    tables without padding rows.
     -> (call, q, pages, b): the pages go in as arguments (closed over, XLA would embed them as a
     constant: a segfault at 8 GB)."""
-    pages = {n: jnp.swapaxes(b[n], 0, 2).swapaxes(1, 2) for n in ("k_cache", "v_cache")}
+    pages = {n: jnp.swapaxes(b[n], 0, 1) for n in ("k_cache", "v_cache")}
     k_splits = math.gcd(16, b["block_tables"].shape[-1])
 
     def call(q, i, pages, b):
@@ -329,7 +330,7 @@ def mixed_case(key, ceil, tiles):
 
 
 def kv_write_case(key, num_tokens, copy_GBps):
-    shape = (16384, PAGE, 8, 128)  # 512 MiB per cache
+    shape = (16384, 8, PAGE, 128)  # 512 MiB per cache
     k_cache, v_cache = (jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(key))
     kv = jax.random.normal(key, (num_tokens, 8, 128), jnp.bfloat16)
     slots = jax.random.permutation(key, shape[0] * PAGE)[:11 * num_tokens].reshape(11, -1)

@@ -3,8 +3,9 @@ causally to each sequence's K/V, which live in fixed-size pages named by a block
 
 Shapes (letters as in the einsums):
   q            [T, Hq, D]                 t: token, h = k*g: query head, d: head dim
-  k_cache      [N, P, Hkv, D]             N: pages (blocks), p: page size (block_size), k: KV head
-  v_cache      [N, P, Hkv, D]
+  k_cache      [N, Hkv, P, D]             N: pages (blocks), k: KV head, p: page size (block_size)
+  v_cache      [N, Hkv, P, D]             head-major: a page's tokens of one KV head contiguous,
+                                          what one (sequence, KV head) program reads
   kv_lens      [S] int32                  KV length of each sequence, this step's tokens included
   block_tables [S, B] int32               B: max pages per sequence
   cu_q_lens    [S + 1] int32              query start of each sequence in the flat batch
@@ -52,7 +53,7 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     k_scale, v_scale: the cache's static per-tensor scales (a float8 cache holds K / k_scale).
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
+    _, num_kv_heads, page_size, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     token, seq, q_lens = _token_seqs(cu_q_lens, num_tokens)
@@ -64,9 +65,9 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     def page_step(j, carry):
         m, l, acc = carry
         page = block_tables[seq, j]  # [T]
-        k = k_cache[page].astype(jnp.float32) * k_scale  # [T, P, Hkv, D]
+        k = k_cache[page].astype(jnp.float32) * k_scale  # [T, Hkv, P, D]
         v = v_cache[page].astype(jnp.float32) * v_scale
-        s = jnp.einsum("tkgd,tpkd->tkgp", qg, k)
+        s = jnp.einsum("tkgd,tkpd->tkgp", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)  # [P]
@@ -78,7 +79,7 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgp,tpkd->tkgd", p, v)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgp,tkpd->tkgd", p, v)
         return m_new, l, acc
 
     init = (jnp.full((num_tokens, num_kv_heads, group), _MASK_INIT, jnp.float32),
@@ -131,8 +132,8 @@ def _fp8_pairs_to_f16(words, interpret):
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
                       q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_splits, num_sms, k_scale,
-                      v_scale, only, interpret):
+                      group_pad, block_q, block_k, page_size, num_kv_heads, num_splits, num_sms,
+                      k_scale, v_scale, only, interpret):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
     pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
@@ -188,17 +189,22 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         q_scale = 1.0 if scaled_q else sm_scale
         qk_scale = (q_scale * _LOG2E if soft_cap is None else q_scale / soft_cap) * k_scale
 
-        def tile_slots(t, kv_pos, kv_valid):
+        # Row (page * Hkv + kv_head) * P + offset of the flat cache holds the KV head's token
+        # `offset` of `page`: page * page_rows plus a part the same in every tile, hoisted.
+        page_rows = num_kv_heads * page_size
+        in_page = kv_head * page_size + jnp.arange(block_k, dtype=jnp.int32) % page_size  # [Bk]
+
+        def tile_rows(t, kv_pos, kv_valid):
             """[Bk] rows of the flat cache holding KV positions kv_pos [Bk] of tile t."""
             if page_size % block_k == 0:  # the tile lies in one page: one page id, in range
                 page = block_tables_ref[seq, t * block_k // page_size]
-                return (page * page_size + t * block_k % page_size
-                        + jnp.arange(block_k, dtype=jnp.int32))
-            # Several pages a tile: per-token ids (a [Bk] gather of Bk / P distinct words that
-            # L1 broadcasts; a per-page load would need a reshape that costs a layout change).
+                return page * page_rows + t * block_k % page_size + in_page
+            # Several pages a tile (block_k a multiple of P): per-token ids (a [Bk] gather of
+            # Bk / P distinct words that L1 broadcasts; a per-page load would need a reshape
+            # that costs a layout change).
             page = pltriton.load(block_tables_ref.at[seq, kv_pos // page_size], mask=kv_valid,
                                  other=None if kv_valid is None else 0)
-            return page * page_size + kv_pos % page_size
+            return page * page_rows + in_page
 
         def tile_step(t, carry, *, masked):
             """One KV tile. Unmasked tiles lie wholly below the block's first query position
@@ -207,9 +213,9 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
             kv_pos = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [Bk]
             kv_valid = kv_pos < kv_hi if masked else None
             # dims (an arange) last and unit-stride: Triton vectorises the loads along D
-            slots = tile_slots(t, kv_pos, kv_valid)[:, None]
+            kv_rows = tile_rows(t, kv_pos, kv_valid)[:, None]
             load = lambda ref, cols, zero: pltriton.load(
-                ref.at[slots, kv_head, cols], mask=kv_valid[:, None] if masked else None,
+                ref.at[kv_rows, cols], mask=kv_valid[:, None] if masked else None,
                 other=zero if masked else None)
             # a float8 cache is widened to the dots' dtype in registers (its scales fold into
             # qk_scale and the output)
@@ -290,11 +296,11 @@ def _is_hopper() -> bool:
 
 def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs):
     _, num_q_heads, head_dim = q.shape
-    _, _, num_kv_heads, kv_head_dim = k_cache.shape
+    _, num_kv_heads, _, kv_head_dim = k_cache.shape
     max_seqs = block_tables.shape[0]
     if k_cache.shape != v_cache.shape or kv_head_dim != head_dim:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be "
-                         f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
+                         f"[num_blocks, num_kv_heads, block_size, head_dim={head_dim}]")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of "
                          f"num_kv_heads={num_kv_heads}")
@@ -379,7 +385,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     only: "decode" (sequences of q_len 1, at the decode bucket's tiling) or "prefill" (the
     others): the rows of the other kind come from `out` (else `fill_value`)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    num_pages, num_kv_heads, page_size, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     group_pad = _next_pow2(group)
@@ -412,7 +418,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     seq_starts = cu_q_lens[:-1] // block_q + jnp.arange(max_seqs, dtype=jnp.int32)
     seq_starts = jnp.pad(seq_starts, (0, _next_pow2(max_seqs) - max_seqs),
                          constant_values=jnp.iinfo(jnp.int32).max)  # [pow2 >= S]
-    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    flat = (num_pages * num_kv_heads * page_size, head_dim)  # row (page * Hkv + head) * P + p
     split_shape = (num_kv_splits, num_tokens, num_q_heads)
     if num_kv_splits == 1:
         out_init = (jnp.full(q.shape, fill_value or 0.0, q.dtype) if out is None else out,)
@@ -425,13 +431,14 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
+        num_kv_heads=num_kv_heads,
         num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale,
         only=only, interpret=interpret)
     v_flat = v_cache.reshape(flat)
     if v_pairs is None:
         v_pairs = decode_bucket and num_kv_splits == 1
     if v_pairs and fp8_pages and q.dtype.itemsize == 2:
-        v_flat = jax.lax.bitcast_convert_type(v_flat.reshape(*flat[:2], head_dim // 2, 2),
+        v_flat = jax.lax.bitcast_convert_type(v_flat.reshape(flat[0], head_dim // 2, 2),
                                               jnp.int16)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q, k_cache.reshape(flat),
               v_flat)

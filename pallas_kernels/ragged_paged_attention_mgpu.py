@@ -38,7 +38,7 @@ _SEQ, _TOK0, _NTOK, _QPOS0, _KV_LEN = range(5)
 def supports(q, k_cache, *, sliding_window=None, soft_cap=None, block_kv: int = 128) -> bool:
     """Whether this kernel takes the call (else the Triton kernel does)."""
     _, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
+    _, num_kv_heads, page_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     return (q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype
             and head_dim % 64 == 0 and head_dim <= 128 and group in (1, 2, 4, 8)
@@ -92,7 +92,7 @@ def _attention_kernel(meta_ref, block_tables_ref, q_ref, k_ref, v_ref, out_ref, 
     tile, kv_head, wg = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("wg")
     seq, tok0, ntok = meta_ref[tile, _SEQ], meta_ref[tile, _TOK0], meta_ref[tile, _NTOK]
     qpos0, kv_len = meta_ref[tile, _QPOS0], meta_ref[tile, _KV_LEN]
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[-1]
+    page_size, head_dim = k_ref.shape[2], k_ref.shape[-1]
     tokens_per_wg = _ROWS // group
     # KV tiles the whole program needs: up to its last token's position (0 for padding rows)
     num_steps, _ = kv_steps(qpos0, ntok, kv_len, block_kv)
@@ -199,7 +199,7 @@ def _attention_kernel(meta_ref, block_tables_ref, q_ref, k_ref, v_ref, out_ref, 
                 idx = jnp.minimum(j * pages_per_tile + c, last_page)
                 page = block_tables_ref[seq, idx]
                 rows = pl.ds(_aligned(slot * block_kv + c * page_size, page_size), page_size)
-                plgpu.copy_gmem_to_smem(cache_ref.at[page, pl.ds(0, page_size), kv_head],
+                plgpu.copy_gmem_to_smem(cache_ref.at[page, kv_head],
                                         smem.at[rows],
                                         ready.at[slot])
 
@@ -255,7 +255,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q
         raise ValueError(f"ragged_paged_attention_mgpu: unsupported q {q.shape} {q.dtype}, "
                          f"cache {k_cache.shape} {k_cache.dtype}, block_kv={block_kv}")
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    _, num_kv_heads, page_size, _ = k_cache.shape
     smem_bytes = (2 * 2 * _ROWS + 2 * num_stages * block_kv) * head_dim * q.dtype.itemsize
     if smem_bytes > _SMEM_BYTES:
         raise ValueError(f"block_kv={block_kv} x num_stages={num_stages} needs {smem_bytes} bytes "
@@ -272,8 +272,8 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q
          plgpu.SMEM((2 * _ROWS, head_dim), q.dtype),  # untiled: row slices at any offset
          kv_tile, kv_tile),
         (plgpu.Barrier(num_arrivals=group, num_barriers=2),
-         plgpu.Barrier(num_arrivals=block_kv // k_cache.shape[1], num_barriers=num_stages),
-         plgpu.Barrier(num_arrivals=block_kv // k_cache.shape[1], num_barriers=num_stages)),
+         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=num_stages)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) * 2,
         plgpu.Barrier(num_arrivals=2),
     )

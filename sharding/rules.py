@@ -114,9 +114,9 @@ class ShardingPlan:
     # -- KV cache and step ---------------------------------------------------------------------
     @property
     def kv_cache_sharding(self) -> NamedSharding:
-        """[DP * N, P, Hkv, D]: by KV head, and by DP rank (each rank's own pool) under DP
+        """[DP * N, Hkv, P, D]: by KV head, and by DP rank (each rank's own pool) under DP
         attention."""
-        return NamedSharding(self.mesh, P(_data_axis(self.mesh), None, T, None))
+        return NamedSharding(self.mesh, P(_data_axis(self.mesh), T, None, None))
 
     def model_fn(self, forward: Callable, attn: Callable, write_kv: Callable) -> Callable:
         """forward bound to the sharded args, with attention and KV write run per device."""
@@ -160,7 +160,7 @@ def shard_attention(attn: Callable, write_kv: Callable, mesh: Mesh) -> tuple[Cal
     cu_q_lens are local to the rank), heads over "tensor". The Pallas kernel cannot be
     auto-partitioned; for the XLA path this also keeps the page gathers local."""
     dp = _data_axis(mesh)
-    heads, cache = P(dp, T, None), P(dp, None, T, None)  # [T, H, D], [N, P, Hkv, D]
+    heads, cache = P(dp, T, None), P(dp, T, None, None)  # [T, H, D], [N, Hkv, P, D]
     rows, table = P(dp), P(dp, None)  # [T] / [S] / [S + 1] / [1] per rank, [S, B] per rank
 
     def attn_sharded(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **kw):

@@ -162,7 +162,7 @@ def test_chat_prompt_logits_match_hf_gguf(ours, hf_gguf):
     num_blocks = len(ids) // block_size + 2
     batch = build_step_batch([SeqChunk(ids, 0, list(range(1, num_blocks)))], len(ids), 1,
                              num_blocks - 1, block_size)
-    shape = (num_blocks, block_size, args.num_kv_heads, args.head_dim)
+    shape = (num_blocks, args.num_kv_heads, block_size, args.head_dim)
     kv_caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(args.num_layers)]
     logits, _ = jax.jit(forward, static_argnames=("args",))(
         fuse_params(ours.params, args.num_kv_heads), kv_caches, jax.tree.map(jnp.asarray, batch),

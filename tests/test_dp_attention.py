@@ -142,8 +142,8 @@ def _check_placement(placement: dict, dp: int, tp: int) -> None:
     num_blocks, kv_heads = placement["num_blocks"], cfg["num_key_value_heads"]
     head_dim, block_size = cfg["head_dim"], ENGINE["block_size"]
     assert placement["dp_size"] == dp
-    assert placement["kv_shape"] == [dp * num_blocks, block_size, kv_heads, head_dim]
-    assert placement["kv_shard_shape"] == [num_blocks, block_size, kv_heads // tp, head_dim]
+    assert placement["kv_shape"] == [dp * num_blocks, kv_heads, block_size, head_dim]
+    assert placement["kv_shard_shape"] == [num_blocks, kv_heads // tp, block_size, head_dim]
     assert placement["kv_first_blocks"] == list(range(0, dp * num_blocks, num_blocks))
 
 

@@ -56,7 +56,7 @@ def test_prefill_then_continue_matches_hf(kind, tiny_model_dirs):
     perm = rng.permutation(np.arange(1, NUM_BLOCKS))
     tables = [perm[i * MAX_BLOCKS_PER_SEQ:(i + 1) * MAX_BLOCKS_PER_SEQ].tolist()
               for i in range(len(prompts))]
-    shape = (NUM_BLOCKS, BLOCK_SIZE, args.num_kv_heads, args.head_dim)
+    shape = (NUM_BLOCKS, args.num_kv_heads, BLOCK_SIZE, args.head_dim)
     kv_caches = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
                  for _ in range(args.num_layers)]
 

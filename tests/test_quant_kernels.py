@@ -135,10 +135,10 @@ def test_kv_write_fp8_pallas_matches_reference_and_scales():
         want = write_kv_reference(k_cache, v_cache, k, v, slots, k_scale=0.5, v_scale=2.0)
         for g, w in zip(got, want):
             assert g.dtype == FP8
-            flat_g = np.asarray(g, np.float32).reshape(-1, *g.shape[2:])
-            np.testing.assert_array_equal(flat_g[16:], np.asarray(w, np.float32).reshape(
-                -1, *w.shape[2:])[16:])
-        written = np.asarray(want[0], np.float32).reshape(-1, 3, 64)[np.asarray(slots)[:num_live]]
+            np.testing.assert_array_equal(np.asarray(g, np.float32)[1:],
+                                          np.asarray(w, np.float32)[1:])  # block 0: padding
+        by_slot = np.swapaxes(np.asarray(want[0], np.float32), 1, 2).reshape(-1, 3, 64)
+        written = by_slot[np.asarray(slots)[:num_live]]
         expect = np.clip(np.asarray(k, np.float32)[:num_live] / 0.5, -448, 448)
         np.testing.assert_allclose(written, expect, rtol=2 ** -4, atol=2 ** -9)  # e4m3: 3 bits
 
@@ -244,7 +244,7 @@ def test_fp8_cache_routes_prefill_to_triton_and_refuses_mosaic():
 
 def test_fp8_cache_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
-    cache = sds((64, 16, 8, 128), FP8)
+    cache = sds((64, 8, 16, 128), FP8)
     for num_tokens, splits in ((8, 4), (8, 1), (64, 1)):  # decode: V as float8, as pairs
         args = (sds((num_tokens, 32, 128), jnp.bfloat16), cache, cache, sds((8,), jnp.int32),
                 sds((8, 16), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
@@ -265,8 +265,8 @@ def test_a_float8_cache_the_triton_kernel_cannot_address_is_refused():
     """Pallas offsets arrays of 2 to 4 GiB with signed 32-bit integers: such a float8 cache
     would be read at wrapped addresses (H200: garbage at 2.4 GB), so it is refused by name."""
     sds = jax.ShapeDtypeStruct
-    args = lambda pages: (sds((8, 32, 128), jnp.bfloat16), sds((pages, 16, 8, 128), FP8),
-                          sds((pages, 16, 8, 128), FP8), sds((8,), jnp.int32),
+    args = lambda pages: (sds((8, 32, 128), jnp.bfloat16), sds((pages, 8, 16, 128), FP8),
+                          sds((pages, 8, 16, 128), FP8), sds((8,), jnp.int32),
                           sds((8, 16), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
     fn = functools.partial(ragged_paged_attention, sm_scale=0.1, k_scale=0.5, v_scale=2.0)
     jax.eval_shape(fn, *args(2**17))  # 2 GiB: addressable
@@ -281,7 +281,7 @@ def test_fp8_decode_tiling_defaults():
     sds = jax.ShapeDtypeStruct
 
     def tiling(num_seqs, dtype):
-        cache = sds((4096, 16, 8, 128), dtype)
+        cache = sds((4096, 8, 16, 128), dtype)
         args = (sds((num_seqs, 32, 128), jnp.bfloat16), cache, cache, sds((num_seqs,), jnp.int32),
                 sds((num_seqs, 128), jnp.int32), sds((num_seqs + 1,), jnp.int32),
                 sds((1,), jnp.int32))

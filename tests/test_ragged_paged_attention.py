@@ -35,7 +35,7 @@ def make_batch(seed, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, pa
     kv = np.zeros(max_seqs, np.int32)
     kv[:num_seqs] = kv_lens
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-    cache_shape = (num_pages, page_size, num_kv_heads, head_dim)
+    cache_shape = (num_pages, num_kv_heads, page_size, head_dim)
     return (normal(num_tokens, num_q_heads, head_dim), normal(*cache_shape), normal(*cache_shape),
             jnp.asarray(kv), jnp.asarray(block_tables), jnp.asarray(cu),
             jnp.asarray([num_seqs], jnp.int32))
@@ -68,8 +68,8 @@ def poison(args):
     is NaN in the kernel's copy, and the block tables' unused entries name page 0 (all NaN), so a
     kernel that reads one K/V row it must not returns NaN; the reference reads the clean cache."""
     q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = args
-    page_size = k_cache.shape[1]
-    tables, owned = np.array(block_tables), np.zeros(k_cache.shape[:2], bool)  # [S, B], [N, P]
+    num_pages, _, page_size, _ = k_cache.shape
+    tables, owned = np.array(block_tables), np.zeros((num_pages, page_size), bool)  # [S, B], [N, P]
     tables[int(num_seqs[0]):] = 0
     for s, kv_len in enumerate(np.asarray(kv_lens)[:int(num_seqs[0])]):
         pages = -(-int(kv_len) // page_size)
@@ -77,7 +77,7 @@ def poison(args):
         for j in range(pages):
             owned[tables[s, j], :min(page_size, kv_len - j * page_size)] = True
     assert not owned[0].any()  # make_batch leaves page 0 to padding
-    nan = lambda c: jnp.where(jnp.asarray(owned)[:, :, None, None], c, jnp.nan).astype(c.dtype)
+    nan = lambda c: jnp.where(jnp.asarray(owned)[:, None, :, None], c, jnp.nan).astype(c.dtype)
     tables = jnp.asarray(tables)
     return ((q, nan(k_cache), nan(v_cache), kv_lens, tables, cu_q_lens, num_seqs),
             (q, k_cache, v_cache, kv_lens, tables, cu_q_lens, num_seqs))
@@ -201,7 +201,7 @@ def test_lowers_for_cuda():
              (8, (32, 8, 128), 64, jnp.bfloat16), (64, (8, 2, 64), 64, jnp.float32),
              (64, (8, 4, 256), 16, jnp.bfloat16)]
     for num_tokens, (num_q_heads, num_kv_heads, head_dim), page_size, dtype in cases:
-        cache = sds((64, page_size, num_kv_heads, head_dim), dtype)
+        cache = sds((64, num_kv_heads, page_size, head_dim), dtype)
         args = (sds((num_tokens, num_q_heads, head_dim), dtype), cache, cache,
                 sds((max_seqs,), jnp.int32), sds((max_seqs, max_pages), jnp.int32),
                 sds((max_seqs + 1,), jnp.int32), sds((1,), jnp.int32))

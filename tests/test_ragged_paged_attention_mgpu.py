@@ -70,13 +70,13 @@ def test_kv_steps(q0, ntok, kv_len, expected):
 
 
 def test_supports():
-    q, cache = jnp.zeros((4, 32, 128), jnp.bfloat16), jnp.zeros((2, 16, 8, 128), jnp.bfloat16)
+    q, cache = jnp.zeros((4, 32, 128), jnp.bfloat16), jnp.zeros((2, 8, 16, 128), jnp.bfloat16)
     assert supports(q, cache)
     assert not supports(q.astype(jnp.float32), cache.astype(jnp.float32))
     assert not supports(q, cache, sliding_window=64)
     assert not supports(jnp.zeros((4, 48, 128), jnp.bfloat16), cache)  # group 6
     with pytest.raises(ValueError, match="unsupported"):
-        ragged_paged_attention_mgpu(q, cache[:, :4], cache[:, :4], jnp.zeros(2, jnp.int32),
+        ragged_paged_attention_mgpu(q, cache[:, :, :4], cache[:, :, :4], jnp.zeros(2, jnp.int32),
                                     jnp.zeros((2, 4), jnp.int32), jnp.zeros(3, jnp.int32),
                                     jnp.ones(1, jnp.int32), sm_scale=0.1)
 
@@ -87,7 +87,7 @@ def test_supports():
 def test_lowers_for_cuda(group, head_dim, page_size, block_kv, num_stages):
     sds = jax.ShapeDtypeStruct
     num_kv_heads, max_seqs = 2, 5
-    cache = sds((64, page_size, num_kv_heads, head_dim), jnp.bfloat16)
+    cache = sds((64, num_kv_heads, page_size, head_dim), jnp.bfloat16)
     args = (sds((300, group * num_kv_heads, head_dim), jnp.bfloat16), cache, cache,
             sds((max_seqs,), jnp.int32), sds((max_seqs, 12), jnp.int32),
             sds((max_seqs + 1,), jnp.int32), sds((1,), jnp.int32))
@@ -101,7 +101,7 @@ def test_dispatch():
     unsupported call is a ValueError naming the limit; on this CPU machine the default is the
     Triton kernel (Mosaic needs a Hopper GPU)."""
     sds = jax.ShapeDtypeStruct
-    cache = sds((64, 16, 8, 128), jnp.bfloat16)
+    cache = sds((64, 8, 16, 128), jnp.bfloat16)
     args = (sds((300, 32, 128), jnp.bfloat16), cache, cache, sds((5,), jnp.int32),
             sds((5, 12), jnp.int32), sds((6,), jnp.int32), sds((1,), jnp.int32))
     mosaic = functools.partial(ragged_paged_attention, sm_scale=0.1, implementation="mosaic")

@@ -225,7 +225,7 @@ def compile_step(a) -> str:
     from jaxllm.models.attention import attention_backend
     from jaxllm.models.quant import has_gemv_weights
     from jaxllm.sample.sampler import SamplerStages
-    from jaxllm.worker.kv_cache import cache_dtype
+    from jaxllm.worker.kv_cache import cache_dtype, cache_shape
     from jaxllm.worker.model_runner import ModelRunner
     from jaxllm.worker.packing import pack
 
@@ -236,7 +236,7 @@ def compile_step(a) -> str:
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
     with as_gpu():
         args, params = abstract_8b_params(a.model, a.quantization, sharding)
-        kv_shape = (a.num_blocks, a.block_size, args.num_kv_heads, args.head_dim)
+        kv_shape = cache_shape(a.num_blocks, a.block_size, args.num_kv_heads, args.head_dim)
         kv_dtype = cache_dtype(a.kv_cache_dtype, jnp.bfloat16)
         caches = [(jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=sharding),) * 2
                   for _ in range(args.num_layers)]

@@ -94,7 +94,7 @@ def kernel_call(a):
     if a.kernel == "attention":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         s, pages = a.tokens, -(-1536 // a.page_size)
-        cache = sds((s * pages, a.page_size, 8, 128), jnp.dtype(a.kv_dtype))
+        cache = sds((s * pages, 8, a.page_size, 128), jnp.dtype(a.kv_dtype))
         scales = {} if a.kv_dtype == "bfloat16" else dict(k_scale=2.0, v_scale=0.5)
         return functools.partial(ragged_paged_attention, sm_scale=0.088, **scales, **kw), (
             sds((s, 32, 128), jnp.bfloat16), cache, cache, sds((s,), jnp.int32),

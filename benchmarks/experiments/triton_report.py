@@ -46,7 +46,7 @@ def write_ttir(a) -> None:
 
     lower_for_h200, modules = lower_capturing_ttir()
     sds = jax.ShapeDtypeStruct
-    cache = sds((512, 16, 8, 128), jnp.dtype(a.kv_dtype))
+    cache = sds((512, 8, 16, 128), jnp.dtype(a.kv_dtype))
     s = a.max_seqs
     args = (sds((a.num_tokens, 32, 128), jnp.bfloat16), cache, cache, sds((s,), jnp.int32),
             sds((s, 256), jnp.int32), sds((s + 1,), jnp.int32), sds((1,), jnp.int32))

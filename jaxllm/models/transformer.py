@@ -21,7 +21,7 @@ from jaxllm.models.batch import StepBatch
 from pallas_kernels.kv_write import write_kv_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [num_blocks, block_size, kv_heads, D]
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [num_blocks, kv_heads, block_size, D]
 
 
 def layer_shapes(args: ModelArgs, layer_index: int = 0) -> dict[str, tuple[int, ...]]:

@@ -45,10 +45,17 @@ def cap_num_blocks(num_blocks: int, num_arrays_blocks: int, block_size: int, num
     return min(num_blocks, MAX_1BYTE_CACHE_BYTES // block_bytes)
 
 
+def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                head_dim: int) -> tuple[int, int, int, int]:
+    """[N, Hkv, P, D]: head-major pages, a page's tokens of one KV head contiguous (what one
+    attention program reads)."""
+    return num_blocks, num_kv_heads, block_size, head_dim
+
+
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
     """One (k_cache, v_cache) pair per layer, zeros (jnp.empty is uninitialised since jax 0.11)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)  # [N, P, Hkv, D]
+    shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(make(), make()) for _ in range(num_layers)]
 
