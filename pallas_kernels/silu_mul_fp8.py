@@ -2,16 +2,20 @@
 output, h = silu(gate) * up, then h as float8_e4m3fn with one scale per token (its absolute
 max / 448), the operand the down projection's W8A8 GEMM reads.
 
-XLA spends two passes over the gate/up output on it (the per-token max, then the scaled cast),
-each reading [T, 2, I] from HBM; this kernel reads it once from HBM and once more from L2.
+XLA spends two passes over the gate/up output on it (the per-token max, then the scaled cast).
+So does this module where a row is wider than a chunk (the second read from L2 where the product
+fits it), but every (token block, chunk) is a short program of its own in both passes: any
+token count fills the GPU, and many programs' loads are in flight at once, where one program a
+token walking its row's chunks in turn left the copy bandwidth mostly idle.
 
-Design. One Triton program per block of `block_rows` tokens. A row of I (14,336 for an 8B
-model) does not fit in registers, so the program walks it in `block_cols` chunks twice: the
-first pass keeps the running max of |h|, the second recomputes h (its gate and up reread, now
-from L2) and stores it scaled; a chunk as wide as the row (block_cols >= I) holds h in registers
-and reads the row once. Everything is in fp32: the GEMM's output times both scales, the
-SiLU, the product. Lanes past I and rows past T are masked on load (to 0, so h = 0 there) and
-on store.
+Design. A row of I (14,336 for an 8B model) does not fit in registers, so it is cut into
+`block_cols` chunks; a program takes `block_rows` tokens x one chunk. The first kernel writes
+each chunk's max |h| ([chunks, T] fp32); the second reads a row's chunk maxima (a few words),
+recomputes its chunk of h (the same instructions: the same fp32 values) and stores it scaled;
+its first chunk's programs store the scale. A row within one chunk (block_cols >= I: SmolLM2's
+1,536, the test models) takes one kernel that holds h in registers and reads the row once.
+Everything is in fp32: the GEMM's output times both scales, the SiLU, the product. Lanes past I
+and rows past T are masked on load (to 0, so h = 0 there) and on store.
 
   y       [T, 2 * I]  the GEMM's output, gate columns then up columns (the fused [T, 2, I])
   x_scale [T]         fp32, the GEMM's per-token activation scale
@@ -57,55 +61,54 @@ def silu_mul(gate: jax.Array, up: jax.Array, interpret: bool = False) -> jax.Arr
     return g * sigmoid * up.astype(jnp.float32)
 
 
-def _kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, *, block_rows, block_cols, layer, interpret):
-    """y_ref [T, 2I], xs_ref [T], ws_ref [2I] -> q_ref [T, I], s_ref [T] for this program's
-    rows."""
-    num_rows, width = q_ref.shape
+def _h_chunk(y_ref, xs_ref, ws_ref, *, block_rows, block_cols, layer, interpret):
+    """This program's h = silu(gate) * up [Br, Bc] (0 on masked lanes), its rows [Br], the
+    rows' mask and its tile and mask in [T, I]."""
+    num_rows, width = y_ref.shape[0], y_ref.shape[1] // 2
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)  # [Br]
-    row_ok = rows < num_rows
+    cols = pl.program_id(1) * block_cols + jnp.arange(block_cols, dtype=jnp.int32)  # [Bc]
+    row_ok, col_ok = rows < num_rows, cols < width
+    mask = row_ok[:, None] & col_ok[None, :]
     x_scale = pltriton.load(xs_ref.at[rows], mask=row_ok, other=0)  # [Br]
-    num_chunks = pl.cdiv(width, block_cols)
     ws_row = prefix(ws_ref, 1, layer)
+    gate = pltriton.load(y_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+    up = pltriton.load(y_ref.at[rows[:, None], (cols + width)[None, :]], mask=mask, other=0)
+    gate_scale = pltriton.load(ws_ref.at[(*ws_row, cols)], mask=col_ok, other=0)
+    up_scale = pltriton.load(ws_ref.at[(*ws_row, cols + width)], mask=col_ok, other=0)
+    g = gate.astype(jnp.float32) * x_scale[:, None] * gate_scale[None, :]
+    u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
+    return silu_mul(g, u, interpret), rows, row_ok, (rows[:, None], cols[None, :]), mask
 
-    def h_chunk(chunk):  # -> h [Br, Bc] (0 on masked lanes), its tile and mask
-        cols = chunk * block_cols + jnp.arange(block_cols, dtype=jnp.int32)  # [Bc]
-        col_ok = cols < width
-        mask = row_ok[:, None] & col_ok[None, :]
-        gate = pltriton.load(y_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
-        up = pltriton.load(y_ref.at[rows[:, None], (cols + width)[None, :]], mask=mask,
-                           other=0)
-        gate_scale = pltriton.load(ws_ref.at[(*ws_row, cols)], mask=col_ok, other=0)
-        up_scale = pltriton.load(ws_ref.at[(*ws_row, cols + width)], mask=col_ok, other=0)
-        g = gate.astype(jnp.float32) * x_scale[:, None] * gate_scale[None, :]
-        u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
-        return silu_mul(g, u, interpret), (rows[:, None], cols[None, :]), mask
 
-    def store_scale(amax):  # -> scale [Br]
-        scale = row_scales(amax)
+def _one_read_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, **chunk):
+    """The row in one chunk: y_ref [T, 2I] -> q_ref [T, I], s_ref [T] for this program's rows."""
+    h, rows, row_ok, tile, mask = _h_chunk(y_ref, xs_ref, ws_ref, **chunk)
+    scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [Br]
+    pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+    pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
+
+
+def _max_kernel(y_ref, xs_ref, ws_ref, m_ref, **chunk):
+    """-> m_ref [chunks, T]: this chunk's max |h| of this program's rows."""
+    h, rows, row_ok, _, _ = _h_chunk(y_ref, xs_ref, ws_ref, **chunk)
+    pltriton.store(m_ref.at[pl.program_id(1), rows], jnp.max(jnp.abs(h), axis=1), mask=row_ok)
+
+
+def _store_kernel(y_ref, xs_ref, ws_ref, m_ref, q_ref, s_ref, **chunk):
+    """m_ref [chunks, T] (the first kernel's) -> q_ref [T, I] for this program's tile, and
+    s_ref [T] from the first chunk's programs."""
+    h, rows, row_ok, tile, mask = _h_chunk(y_ref, xs_ref, ws_ref, **chunk)
+    num_chunks = m_ref.shape[0]
+    chunks = jnp.arange(pl.next_power_of_2(num_chunks), dtype=jnp.int32)  # [C]
+    maxima = pltriton.load(m_ref.at[chunks[:, None], rows[None, :]],
+                           mask=(chunks < num_chunks)[:, None] & row_ok[None, :], other=0)
+    scale = row_scales(jnp.max(maxima, axis=0))  # [Br]
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
         pltriton.store(s_ref.at[rows], scale, mask=row_ok)
-        return scale
 
-    def store_values(h, scale, tile, mask):
-        pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
-
-    if num_chunks == 1:  # the whole row in registers: read once
-        h, tile, mask = h_chunk(0)
-        store_values(h, store_scale(jnp.max(jnp.abs(h), axis=1)), tile, mask)
-        return
-
-    def max_of_chunk(chunk, amax):
-        h, _, _ = h_chunk(chunk)
-        return jnp.maximum(amax, jnp.max(jnp.abs(h), axis=1))
-
-    scale = store_scale(jax.lax.fori_loop(0, num_chunks, max_of_chunk,
-                                          jnp.zeros(block_rows, jnp.float32)))  # [Br]
-
-    def store_chunk(chunk, carry):
-        h, tile, mask = h_chunk(chunk)
-        store_values(h, scale, tile, mask)
-        return carry
-
-    jax.lax.fori_loop(0, num_chunks, store_chunk, 0)
+    pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "block_rows", "block_cols", "num_warps",
@@ -124,13 +127,16 @@ def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
     check_stacked("w_scale", w_scale, (double_width,), layer)
     width = double_width // 2
     block_cols = min(block_cols, pl.next_power_of_2(width))
-    return pl.pallas_call(
-        functools.partial(_kernel, block_rows=block_rows, block_cols=block_cols, layer=layer,
-                          interpret=interpret),
-        grid=(pl.cdiv(num_rows, block_rows),),
-        out_shape=(jax.ShapeDtypeStruct((num_rows, width), FP8),
-                   jax.ShapeDtypeStruct((num_rows,), jnp.float32)),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="silu_mul_fp8",
-    )(y, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
+    grid = (pl.cdiv(num_rows, block_rows), pl.cdiv(width, block_cols))
+    call = functools.partial(
+        pl.pallas_call, grid=grid, interpret=interpret, name="silu_mul_fp8",
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1))
+    chunk = dict(block_rows=block_rows, block_cols=block_cols, layer=layer, interpret=interpret)
+    outputs = (jax.ShapeDtypeStruct((num_rows, width), FP8),
+               jax.ShapeDtypeStruct((num_rows,), jnp.float32))
+    args = (y, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
+    if grid[1] == 1:
+        return call(functools.partial(_one_read_kernel, **chunk), out_shape=outputs)(*args)
+    maxima = call(functools.partial(_max_kernel, **chunk),
+                  out_shape=jax.ShapeDtypeStruct((grid[1], num_rows), jnp.float32))(*args)
+    return call(functools.partial(_store_kernel, **chunk), out_shape=outputs)(*args, maxima)
