@@ -19,6 +19,7 @@ from conftest import lower_for_h200
 from jaxllm.models import quant
 from jaxllm.models.layers import dense_mlp
 from jaxllm.models.quant import GEMV_MAX_TOKENS, dequantize, fp8_gemv_applies, linear, quantize_fp8
+from jaxllm.worker.kv_cache import cache_shape
 from pallas_kernels import fp8_gemv as gemv
 from pallas_kernels.fp8_gemv import FP8, fp8_gemv, fp8_gemv_reference
 
@@ -260,7 +261,7 @@ def test_one_token_fp8_forward_norms_inside_the_gemvs(monkeypatch):
         for name in ("attn_norm", "mlp_norm"):
             layer[name] = jnp.asarray(rng.uniform(0.2, 3.0, 64), jnp.bfloat16)
     params = quant.quantize_params_fp8(fuse_params(params, 2))
-    cache = [(jnp.asarray(rng.standard_normal((4, 8, 2, 16)), jnp.bfloat16),) * 2
+    cache = [(jnp.asarray(rng.standard_normal(cache_shape(4, 8, 2, 16)), jnp.bfloat16),) * 2
              for _ in range(2)]
     i32 = lambda *v: jnp.asarray(v, jnp.int32)
     batch = StepBatch(token_ids=i32(17), positions=i32(5), slot_mapping=i32(13),

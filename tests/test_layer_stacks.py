@@ -17,6 +17,7 @@ from jaxllm.models.args import ModelArgs
 from jaxllm.models.batch import StepBatch
 from jaxllm.models.fused import fuse_params
 from jaxllm.models.layer_stacks import Row, layer_views, stack_layers, value
+from jaxllm.worker.kv_cache import cache_shape
 from pallas_kernels import fp8_gemv, fp8_quant, int4_gemv, quant_matmul
 
 ARGS = ModelArgs(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=128,
@@ -62,7 +63,7 @@ def copy_params(params: dict) -> dict:
 def step(num_tokens: int, seed: int = 1):
     """A cache (random, not zeros) and a step of num_tokens tokens of one sequence."""
     rng = np.random.default_rng(seed)
-    cache = [tuple(jnp.asarray(rng.standard_normal((4, 8, 2, 32)), jnp.bfloat16)
+    cache = [tuple(jnp.asarray(rng.standard_normal(cache_shape(4, 8, 2, 32)), jnp.bfloat16)
                    for _ in range(2)) for _ in range(ARGS.num_layers)]
     i32 = lambda v: jnp.asarray(v, jnp.int32)
     batch = StepBatch(token_ids=i32(rng.integers(0, 256, num_tokens)),

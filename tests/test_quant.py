@@ -24,6 +24,7 @@ from jaxllm.models import forward, fuse_params
 from jaxllm.models.quant import (GEMV_MAX_TOKENS, Fp8Weight, Int4Weight, dequantize, linear,
                                  quantize_fp8, quantize_params_fp8)
 from jaxllm.worker.batch import SeqChunk, build_step_batch
+from jaxllm.worker.kv_cache import cache_shape
 
 
 def test_fp8_quantize_matches_numpy():
@@ -200,7 +201,7 @@ def logits_of(loaded, params, prompt):
     batch = build_step_batch([SeqChunk(prompt, 0, [1, 2, 3, 4])], 32, 2, 4, 8)
     batch = jax.tree.map(jnp.asarray, batch)
     batch.logits_indices = jnp.arange(len(prompt), dtype=jnp.int32)
-    shape = (8, 8, args.num_kv_heads, args.head_dim)
+    shape = cache_shape(8, 8, args.num_kv_heads, args.head_dim)
     caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(args.num_layers)]
     logits, _ = jax.jit(forward, static_argnames="args")(params, caches, batch, args=args)
     return np.asarray(logits)
@@ -366,7 +367,7 @@ def fp8_cache_logits(args, params, prompt, attn=None, write_kv=None):
     batch = build_step_batch([SeqChunk(prompt, 0, [1, 2, 3, 4])], 32, 2, 4, 8)
     batch = jax.tree.map(jnp.asarray, batch)
     batch.logits_indices = jnp.arange(len(prompt), dtype=jnp.int32)
-    shape = (8, 8, args.num_kv_heads, args.head_dim)
+    shape = cache_shape(8, 8, args.num_kv_heads, args.head_dim)
     caches = [(jnp.zeros(shape, jnp.float8_e4m3fn),) * 2 for _ in range(args.num_layers)]
     logits, _ = forward(params, caches, batch, args=args,
                         attn=attn or ragged_paged_attention_reference,
