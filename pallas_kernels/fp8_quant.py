@@ -6,6 +6,19 @@ precedes the projection (a decoder's input norms): one pass over x.
                       `layer`: stacked.py); given, h = rms_norm_reference(x), else h = x
   ->  values [T, H] float8_e4m3fn, scale [T] fp32: h ~ values * scale, scale = max|h| / 448
 
+`fp8_quant_residual` first adds a residual to an FP8 GEMM's unscaled product (a decoder's o and
+down projections feed the residual stream, which the next norm and projection read):
+
+  y        [T, H]     the product, unscaled (y * y_scale * w_scale in the residual's dtype is
+                      the projection's output, as models/quant.py's _fp8_scaled rounds it)
+  y_scale  [T]        fp32, its per-token activation scales
+  w_scale  [H]        fp32, its per-channel weight scales (or stacked, [L, H], at scale_layer)
+  residual [T, H]     bf16, f16 or f32
+  ->  x = residual + output (the new residual stream, the residual's dtype), then fp8_quant's
+      values and scale of x (normalised first, given norm_weight, at norm_layer)
+
+where XLA makes a kernel of the scaling and the add, and this kernel reads the stream again.
+
 XLA makes two or three kernels of it (the norm's sum of squares, the max of |h|, the scaled
 cast), each reading x; here one program holds a block of rows whole in registers (H padded to a
 power of two, the extra lanes 0, which neither the sum of squares nor the max sees) and writes
@@ -55,17 +68,29 @@ def fp8_quant_reference(x: jax.Array, norm_weight: jax.Array | None = None,
     return to_fp8(h32, scale), scale
 
 
+def _tile(num_rows, hidden, block_rows, block_h):
+    """This program's rows [Br] and columns [Bh], their masks, the [Br, Bh] tile and its mask."""
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)  # [Br]
+    cols = jnp.arange(block_h, dtype=jnp.int32)  # [Bh]
+    row_ok, col_ok = rows < num_rows, cols < hidden
+    tile = (rows[:, None], cols[None, :])
+    return rows, cols, row_ok, col_ok, tile, row_ok[:, None] & col_ok[None, :]
+
+
 def _kernel(x_ref, *refs, eps, block_rows, block_h, layer):
     """x_ref [T, H], (norm_ref [(L,) H]) -> q_ref [T, H], s_ref [T] for this program's rows."""
     norm_ref, (q_ref, s_ref) = (refs[0], refs[1:]) if len(refs) == 3 else (None, refs)
-    num_rows, hidden = x_ref.shape
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)  # [Br]
-    cols = jnp.arange(block_h, dtype=jnp.int32)  # [Bh]
-    col_ok = cols < hidden
-    row_ok = rows < num_rows
-    mask = row_ok[:, None] & col_ok[None, :]
-    tile = (rows[:, None], cols[None, :])
+    rows, cols, row_ok, col_ok, tile, mask = _tile(*x_ref.shape, block_rows, block_h)
     x = pltriton.load(x_ref.at[tile], mask=mask, other=0)  # [Br, Bh]
+    _norm_quant(x, norm_ref, q_ref, s_ref, rows, cols, row_ok, col_ok, tile, mask, eps=eps,
+                layer=layer)
+
+
+def _norm_quant(x, norm_ref, q_ref, s_ref, rows, cols, row_ok, col_ok, tile, mask, *, eps,
+                layer):
+    """x [Br, Bh] (0 on masked lanes) -> its values and scales stored, normalised first given
+    norm_ref."""
+    hidden = q_ref.shape[1]
     h = x.astype(jnp.float32)
     if norm_ref is not None:
         rms = jax.lax.rsqrt(jnp.sum(h * h, axis=1, keepdims=True) / hidden + eps)  # [Br, 1]
@@ -77,6 +102,26 @@ def _kernel(x_ref, *refs, eps, block_rows, block_h, layer):
     scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [Br]
     pltriton.store(s_ref.at[rows], scale, mask=row_ok)
     pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
+
+
+def _residual_kernel(y_ref, ys_ref, ws_ref, r_ref, *refs, eps, block_rows, block_h,
+                     scale_layer, norm_layer):
+    """y_ref [T, H], ys_ref [T], ws_ref [(L,) H], r_ref [T, H], (norm_ref [(L,) H]) ->
+    x_ref [T, H] = r + the scaled product, q_ref [T, H], s_ref [T] for this program's rows."""
+    norm_ref, (x_ref, q_ref, s_ref) = (refs[0], refs[1:]) if len(refs) == 4 else (None, refs)
+    rows, cols, row_ok, col_ok, tile, mask = _tile(*y_ref.shape, block_rows, block_h)
+    y = pltriton.load(y_ref.at[tile], mask=mask, other=0).astype(jnp.float32)
+    y_scale = pltriton.load(ys_ref.at[rows], mask=row_ok, other=0)
+    w_scale = pltriton.load(ws_ref.at[(*prefix(ws_ref, 1, scale_layer), cols)], mask=col_ok,
+                            other=0)
+    residual = pltriton.load(r_ref.at[tile], mask=mask, other=0)
+    # the projection's output rounded to the stream's dtype, then the add rounded: as XLA
+    # rounds _fp8_scaled's product and the residual add
+    out = (y * y_scale[:, None] * w_scale[None, :]).astype(residual.dtype)
+    x = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(residual.dtype)
+    pltriton.store(x_ref.at[tile], x, mask=mask)
+    _norm_quant(x, norm_ref, q_ref, s_ref, rows, cols, row_ok, col_ok, tile, mask, eps=eps,
+                layer=norm_layer)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "layer", "block_rows", "num_warps",
@@ -108,3 +153,51 @@ def fp8_quant(x: jax.Array, norm_weight: jax.Array | None = None, *, eps: float 
         interpret=interpret,
         name="fp8_quant",
     )(x, *norm)
+
+
+def fp8_quant_residual_reference(y: jax.Array, y_scale: jax.Array, w_scale: jax.Array,
+                                 residual: jax.Array, norm_weight: jax.Array | None = None,
+                                 eps: float = 1e-6) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`fp8_quant_residual`'s contract in jnp: (x, values, scale)."""
+    out = (y.astype(jnp.float32) * y_scale[:, None] * w_scale[None, :]).astype(residual.dtype)
+    x = residual + out
+    return (x, *fp8_quant_reference(x, norm_weight, eps))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "scale_layer", "norm_layer", "block_rows",
+                                             "num_warps", "interpret"))
+def fp8_quant_residual(y: jax.Array, y_scale: jax.Array, w_scale: jax.Array, residual: jax.Array,
+                       norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
+                       scale_layer: int | None = None, norm_layer: int | None = None,
+                       block_rows: int | None = None, num_warps: int = 4,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The Pallas (Triton) kernel; `fp8_quant_residual_reference`'s contract (the module
+    docstring). scale_layer, norm_layer: the rows of a stacked w_scale and norm_weight; the
+    tile knobs as fp8_quant's."""
+    num_rows, hidden = residual.shape
+    if jnp.dtype(residual.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                         jnp.dtype(jnp.float32)):
+        raise ValueError(f"residual's dtype {residual.dtype}: bfloat16, float16 or float32")
+    if y.shape != residual.shape or y_scale.shape != (num_rows,):
+        raise ValueError(f"y {y.shape} and y_scale {y_scale.shape}: want {residual.shape} and "
+                         f"({num_rows},)")
+    check_stacked("w_scale", w_scale, (hidden,), scale_layer)
+    norm = ()
+    if norm_weight is not None:
+        check_stacked("norm_weight", norm_weight, (hidden,), norm_layer)
+        if norm_weight.dtype != residual.dtype:
+            raise ValueError(f"norm_weight {norm_weight.dtype}: want {residual.dtype}")
+        norm = (norm_weight,)
+    block_h = pl.next_power_of_2(hidden)
+    block_rows = block_rows or max(1, _TILE_ELEMENTS // block_h)
+    return pl.pallas_call(
+        functools.partial(_residual_kernel, eps=eps, block_rows=block_rows, block_h=block_h,
+                          scale_layer=scale_layer, norm_layer=norm_layer),
+        grid=(pl.cdiv(num_rows, block_rows),),
+        out_shape=(jax.ShapeDtypeStruct((num_rows, hidden), residual.dtype),
+                   jax.ShapeDtypeStruct((num_rows, hidden), FP8),
+                   jax.ShapeDtypeStruct((num_rows,), jnp.float32)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="fp8_quant_residual",
+    )(y, y_scale.astype(jnp.float32), w_scale.astype(jnp.float32), residual, *norm)

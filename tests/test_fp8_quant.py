@@ -16,7 +16,8 @@ from conftest import lower_for_h200
 from jaxllm.models import quant
 from jaxllm.models.layer_stacks import Row
 from pallas_kernels import fp8_quant as fq
-from pallas_kernels.fp8_quant import FP8, fp8_quant, fp8_quant_reference
+from pallas_kernels.fp8_quant import (FP8, fp8_quant, fp8_quant_reference, fp8_quant_residual,
+                                      fp8_quant_residual_reference)
 
 
 def random_rows(seed, num_rows, hidden, dtype=jnp.bfloat16):
@@ -68,6 +69,55 @@ def test_kernel_reads_its_row_of_a_stacked_norm_weight():
         fp8_quant(x, stack, eps=1e-5, interpret=True)
     with pytest.raises(ValueError, match="dtype"):
         fp8_quant(x, weight.astype(jnp.float32), eps=1e-5, interpret=True)
+
+
+def residual_inputs(seed, num_rows, hidden, dtype=jnp.bfloat16):
+    """An FP8 GEMM's unscaled product (magnitudes in the hundreds), its token and channel
+    scales, and a residual stream of rows over three decades."""
+    rng = np.random.default_rng(seed)
+    y = jnp.asarray(rng.standard_normal((num_rows, hidden)) * 300, jnp.float32).astype(dtype)
+    y_scale = jnp.asarray(10.0 ** rng.uniform(-4, -2, num_rows), jnp.float32)
+    w_scale = jnp.asarray(10.0 ** rng.uniform(-4, -2, hidden), jnp.float32)
+    residual, weight = random_rows(seed + 1, num_rows, hidden, dtype)
+    return y, y_scale, w_scale, residual, weight
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("num_rows,hidden,tiles", [(5, 200, dict(block_rows=2)), (7, 576, {})])
+@pytest.mark.parametrize("norm", [False, True])
+def test_residual_kernel_matches_reference(num_rows, hidden, tiles, dtype, norm):
+    """The new stream bit for bit in 16 bits (the product rounded to the stream's dtype, then
+    the add rounded, as XLA rounds them; fp32 within an ulp of the products' order); its
+    values and scales as fp8_quant's of that stream."""
+    y, y_scale, w_scale, residual, weight = residual_inputs(num_rows, num_rows, hidden, dtype)
+    weight = weight if norm else None
+    x, *got = fp8_quant_residual(y, y_scale, w_scale, residual, weight, eps=1e-5,
+                                 interpret=True, **tiles)
+    want_x, *want = fp8_quant_residual_reference(y, y_scale, w_scale, residual, weight, 1e-5)
+    xla_x = jax.jit(lambda r, y: r + quant._fp8_scaled(y, y_scale[:, None], w_scale, dtype))(
+        residual, y)  # the step's own add, compiled
+    assert x.dtype == dtype and got[0].dtype == FP8
+    ulp = 2.0 ** -23 * float(np.abs(np.asarray(x)).max()) if dtype == jnp.float32 else 0
+    for other in (want_x, xla_x):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(other, np.float32),
+                                   rtol=0, atol=ulp)
+    assert_matches(got, want)
+    assert_matches(got, fp8_quant(x, weight, eps=1e-5, interpret=True))
+
+
+def test_residual_kernel_reads_its_rows_of_stacked_scales_and_norms():
+    """The down projection's scales are one layer's, the next input norm the next layer's."""
+    y, y_scale, w_scale, residual, weight = residual_inputs(3, 4, 300)
+    nan = lambda a: jnp.full_like(a, jnp.nan)  # noqa: E731
+    scales, norms = jnp.stack([nan(w_scale), w_scale, nan(w_scale)]), jnp.stack(
+        [nan(weight), nan(weight), weight])
+    got = fp8_quant_residual(y, y_scale, scales, residual, norms, eps=1e-5, scale_layer=1,
+                             norm_layer=2, interpret=True)
+    want = fp8_quant_residual(y, y_scale, w_scale, residual, weight, eps=1e-5, interpret=True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="layer"):
+        fp8_quant_residual(y, y_scale, scales, residual, weight, eps=1e-5, interpret=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -130,6 +180,12 @@ def test_kernel_lowers_for_cuda():
         text = lower_for_h200(functools.partial(fp8_quant, eps=1e-5, **kw),
                               sds((rows, hidden), dtype), *weight)
         assert "fp8_quant" in text
+    text = lower_for_h200(functools.partial(fp8_quant_residual, eps=1e-5, scale_layer=3,
+                                            norm_layer=4),
+                          sds((512, 4096), jnp.bfloat16), sds((512,), jnp.float32),
+                          sds((32, 4096), jnp.float32), sds((512, 4096), jnp.bfloat16),
+                          sds((32, 4096), jnp.bfloat16))
+    assert "fp8_quant_residual" in text
 
 
 def test_one_token_with_a_norm_of_another_dtype_keeps_the_gemv(monkeypatch):

@@ -169,11 +169,44 @@ def test_kernels_read_the_stacks_in_place(kind, num_tokens, monkeypatch):
                         functools.partial(quant_matmul.int4_matmul, interpret=True))
     monkeypatch.setattr(fp8_quant, "fp8_quant", functools.partial(fp8_quant.fp8_quant,
                                                                   interpret=True))
+    monkeypatch.setattr(fp8_quant, "fp8_quant_residual",
+                        functools.partial(fp8_quant.fp8_quant_residual, interpret=True))
     params = make_params(kind)
     cache, batch = step(num_tokens)
     want, _ = transformer.forward(params, cache, batch, args=ARGS)
     got, _ = transformer.forward(stack_layers(copy_params(params)), cache, batch, args=ARGS)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_fp8_residual_adds_run_in_the_next_norms_kernel(stacked, monkeypatch):
+    """The GPU's path at five FP8 tokens (the kernels in interpret mode): every o and down
+    projection's output but the last reaches the stream through the next input norm's
+    quantisation kernel (2L - 1 calls, each reading its scale's and its norm's layer: the down
+    projection's scale is one layer's, the next attention norm the next layer's), and the step
+    gives the CPU path's logits within the kernels' roundings."""
+    calls = []
+    real = fp8_quant.fp8_quant_residual
+
+    def recorded(*args, scale_layer=None, norm_layer=None, **kw):
+        calls.append((scale_layer, norm_layer))
+        return real(*args, scale_layer=scale_layer, norm_layer=norm_layer, interpret=True, **kw)
+    monkeypatch.setattr(fp8_quant, "fp8_quant_residual", recorded)
+    monkeypatch.setattr(fp8_quant, "fp8_quant", functools.partial(fp8_quant.fp8_quant,
+                                                                  interpret=True))
+    params = make_params("fp8")
+    cache, batch = step(5)
+    want, want_cache = transformer.forward(params, cache, batch, args=ARGS)  # the CPU's path
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got, got_cache = transformer.forward(stack_layers(copy_params(params)) if stacked
+                                         else params, cache, batch, args=ARGS)
+    # (o's scale, the MLP's norm), (down's scale, the next attention norm), ...
+    assert calls == ([(0, 0), (0, 1), (1, 1), (1, 2), (2, 2)] if stacked else [(None, None)] * 5)
+    scale = float(np.abs(np.asarray(want)).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-3 * scale)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=0.02, atol=0.02)
 
 
 def test_a_one_token_fp8_step_slices_no_stack(monkeypatch):

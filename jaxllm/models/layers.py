@@ -52,23 +52,25 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,
-              norm_weight: jax.Array | None = None) -> jax.Array:
+              norm_weight: jax.Array | None = None, quantized=None, unscaled: bool = False):
     """SwiGLU: x [T, H] -> [T, H], gate and up in one GEMM over the fused w_gate_up [H, 2, I].
     lora: a models.lora.TokenLoRA, whose updates add onto both projections. norm_weight: x is
     still to be RMS-normalised (with it), a prologue of the gate/up GEMM where one fits
     (quant.norm_linear, fp8_swiglu); normalised first where the normalised x is needed whole
-    (LoRA's updates). silu(gate) * up is the down GEMM's prologue where one fits
-    (quant.swiglu_linear)."""
+    (LoRA's updates). quantized: x's norm already quantised for an FP8 gate/up GEMM
+    (quant.residual_norm_quant's). silu(gate) * up is the down GEMM's prologue where one fits
+    (quant.swiglu_linear). unscaled: without LoRA, an FP8 down GEMM's output may come back as
+    a quant.ScaledProduct (the residual add waits for the next norm's kernel)."""
     w_gate_up, w_down = layer["w_gate_up"], layer["w_down"]
     if lora is None and fp8_swiglu_applies(x, w_gate_up, w_down):
         norm = () if norm_weight is None else (norm_weight, args.rms_norm_eps)
-        return fp8_swiglu(x, w_gate_up, w_down, *norm)
+        return fp8_swiglu(x, w_gate_up, w_down, *norm, quantized=quantized, unscaled=unscaled)
     if norm_weight is not None and lora is not None:
         x, norm_weight = rms_norm(x, norm_weight, args.rms_norm_eps), None
     gate_up = (linear(x, w_gate_up) if norm_weight is None
-               else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up))
+               else norm_linear(x, norm_weight, args.rms_norm_eps, w_gate_up, quantized))
     if lora is None:
-        return swiglu_linear(gate_up, w_down)
+        return swiglu_linear(gate_up, w_down, unscaled)
     gate_up = lora.add(gate_up, x, "gate_up")
     hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
     return lora.add(linear(hidden, w_down), hidden, "down")

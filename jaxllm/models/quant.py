@@ -105,24 +105,90 @@ def is_quantized(w) -> bool:
     return isinstance(w, QUANTIZED)
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """x [T, K] @ w [K, *out] -> [T, *out] in x's dtype, for any weight kind above."""
+def linear(x: jax.Array, w, unscaled: bool = False):
+    """x [T, K] @ w [K, *out] -> [T, *out] in x's dtype, for any weight kind above. unscaled:
+    an FP8 W8A8 product on one device comes back as a ScaledProduct (the residual stream's
+    projections, whose add the next norm's kernel takes)."""
     if isinstance(w, Fp8Weight):
-        return _fp8_linear(x, w)
+        return _fp8_linear(x, w, unscaled)
     if isinstance(w, Int4Weight):
         return _int4_linear(x, w)
     return jnp.tensordot(x, w, axes=1)
 
 
-def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
-    return _fp8_gemv(x, w) if fp8_gemv_applies(x) else _fp8_w8a8(x, w)
+def _fp8_linear(x: jax.Array, w: Fp8Weight, unscaled: bool = False):
+    if fp8_gemv_applies(x):
+        return _fp8_gemv(x, w)
+    return _fp8_w8a8(x, w, unscaled=unscaled and on_one_device())
 
 
-def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0) -> jax.Array:
-    """x (RMS-normalised first, given norm_weight) quantised per token, one FP8 x FP8 dot, then
-    both scales."""
-    xq, x_scale = quantize_activations(x, norm_weight, eps)
-    return _fp8_scaled(_fp8_dot(xq, w, x.dtype), x_scale, value(w.scale), x.dtype)
+def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0, *,
+              quantized: tuple[jax.Array, jax.Array] | None = None, unscaled: bool = False):
+    """x (RMS-normalised first, given norm_weight) quantised per token (or `quantized`, that
+    already: residual_norm_quant's), one FP8 x FP8 dot, then both scales (or, unscaled, a
+    ScaledProduct)."""
+    xq, x_scale = quantized or quantize_activations(x, norm_weight, eps)
+    product = ScaledProduct(_fp8_dot(xq, w, x.dtype), x_scale, w.scale, x.dtype)
+    return product if unscaled else product.value()
+
+
+@dataclass(frozen=True)
+class ScaledProduct:
+    """An FP8 W8A8 projection's output before its scales: the GEMM's product y [T, N], the
+    tokens' scales [T, 1] and the weight's channel scales [N] (an array or a layer_stacks.Row).
+    The residual stream's projections (o, down) leave it so: add_residual keeps it beside the
+    stream, and residual_norm_quant adds it, normalises and quantises in one kernel
+    (fp8_quant.fp8_quant_residual), where XLA's add was a kernel of its own."""
+    y: jax.Array
+    x_scale: jax.Array
+    w_scale: object
+    dtype: object
+
+    def value(self) -> jax.Array:
+        """The projection's output [T, N] in its dtype."""
+        return _fp8_scaled(self.y, self.x_scale, value(self.w_scale), self.dtype)
+
+
+@dataclass(frozen=True)
+class ResidualSum:
+    """The residual stream as residual + product, not yet added."""
+    residual: jax.Array
+    product: ScaledProduct
+
+    def value(self) -> jax.Array:
+        return self.residual + self.product.value()
+
+
+def add_residual(residual: jax.Array, out):
+    """residual + out (an array or a ScaledProduct, whose add waits for residual_norm_quant)."""
+    return ResidualSum(residual, out) if isinstance(out, ScaledProduct) else residual + out
+
+
+def materialize(x) -> jax.Array:
+    """The residual stream as an array (a ResidualSum added by XLA)."""
+    return x.value() if isinstance(x, ResidualSum) else x
+
+
+def residual_norm_quant(x, norm_weight, eps: float, w):
+    """x, the residual stream (an array or a ResidualSum), before the norm (norm_weight) and
+    projection w it feeds -> (x as an array, and the normalised x quantised per token as the
+    W8A8 GEMM takes it, or None where w is not that). A ResidualSum's add, norm and
+    quantisation are one kernel on one GPU; jnp elsewhere (the same roundings as
+    materialize's add, then quantize_activations)."""
+    if not isinstance(x, ResidualSum):
+        return x, None
+    if not (isinstance(w, Fp8Weight) and not fp8_gemv_applies(x.residual)
+            and norm_weight.dtype == x.residual.dtype):
+        return x.value(), None
+    product = x.product
+    if jax.default_backend() == "gpu":
+        (scale, scale_layer), (norm, norm_layer) = in_place(product.w_scale), in_place(norm_weight)
+        h, xq, x_scale = fp8_quant.fp8_quant_residual(
+            product.y, product.x_scale[:, 0], scale, x.residual, norm, eps=eps,
+            scale_layer=scale_layer, norm_layer=norm_layer)
+        return h, (xq, x_scale[:, None])
+    h = x.value()
+    return h, quantize_fp8_rows(rms_norm(h, norm_weight, eps))
 
 
 def quantize_activations(x: jax.Array, norm_weight=None,
@@ -179,19 +245,20 @@ def _one_layer(*layers: int | None) -> int | None:
     return found.pop() if found else None
 
 
-def norm_linear(x: jax.Array, norm_weight, eps: float, w) -> jax.Array:
+def norm_linear(x: jax.Array, norm_weight, eps: float, w,
+                quantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """linear(rms_norm(x, norm_weight, eps), w) (norm_weight an array or a layer_stacks.Row):
     where the FP8 GEMV runs, the norm runs inside it (one kernel, not three: the norm's
     reduction and scaling, then the GEMV); an FP8 weight's W8A8 takes it into its activations'
     quantisation. Other one-token steps apply the RMS (a scalar a token) to the product, not to
     x: XLA then makes the sum of squares and x times the norm's weight one fusion, where the
     reduction and the scaling of x were a launch-bound kernel each, and folds the RMS into the
-    product's consumers."""
+    product's consumers. quantized: x's norm already quantised (residual_norm_quant's)."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x):
         if norm_weight.dtype == x.dtype:
             return _fp8_gemv(x, w, norm_weight, eps)
     elif isinstance(w, Fp8Weight):
-        return _fp8_w8a8(x, w, norm_weight, eps)
+        return _fp8_w8a8(x, w, norm_weight, eps, quantized=quantized)
     if x.shape[0] > GEMV_MAX_TOKENS:
         return linear(rms_norm(x, norm_weight, eps), w)
     x32 = x.astype(jnp.float32)
@@ -201,13 +268,14 @@ def norm_linear(x: jax.Array, norm_weight, eps: float, w) -> jax.Array:
     return (y.astype(jnp.float32) * rms.reshape(-1, *([1] * (y.ndim - 1)))).astype(y.dtype)
 
 
-def swiglu_linear(gate_up: jax.Array, w) -> jax.Array:
-    """linear(silu(gate) * up, w) of gate_up [T, 2, I]: where the FP8 GEMV runs, SwiGLU runs
-    inside it (one kernel, not two: the GEMV reads gate and up as its x; a few instructions a
-    tile there, where the int4 GEMV's per-thread x work would nearly double its loop)."""
+def swiglu_linear(gate_up: jax.Array, w, unscaled: bool = False):
+    """linear(silu(gate) * up, w, unscaled) of gate_up [T, 2, I]: where the FP8 GEMV runs,
+    SwiGLU runs inside it (one kernel, not two: the GEMV reads gate and up as its x; a few
+    instructions a tile there, where the int4 GEMV's per-thread x work would nearly double its
+    loop)."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(gate_up):
         return _fp8_gemv(gate_up.reshape(gate_up.shape[0], -1), w, swiglu=True)
-    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w)
+    return linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w, unscaled)
 
 
 def _fp8_dot(xq: jax.Array, w: Fp8Weight, dtype) -> jax.Array:
@@ -241,13 +309,15 @@ def fp8_swiglu_applies(x: jax.Array, w_gate_up, w_down) -> bool:
 
 
 def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight, norm_weight=None,
-               eps: float = 0.0) -> jax.Array:
+               eps: float = 0.0, *, quantized: tuple[jax.Array, jax.Array] | None = None,
+               unscaled: bool = False):
     """down(silu(gate(x)) * up(x)) with both GEMMs FP8 (x RMS-normalised first, given
     norm_weight); w_gate_up [H, 2, I], w_down [I, H]; x [T, H] -> [T, H]. The down
     projection's operand (silu(gate) * up quantised per token) comes from one kernel reading
     the gate/up GEMM's unscaled product (pallas_kernels/silu_mul_fp8.py), where XLA spends two
-    passes over it."""
-    xq, x_scale = quantize_activations(x, norm_weight, eps)
+    passes over it. quantized: x's norm already quantised (residual_norm_quant's); unscaled:
+    the down projection's output as a ScaledProduct."""
+    xq, x_scale = quantized or quantize_activations(x, norm_weight, eps)
     y = _fp8_dot(xq, w_gate_up, x.dtype)  # [T, 2, I]
     if jax.default_backend() == "gpu":
         w_scale, layer = in_place(w_gate_up.scale)
@@ -257,7 +327,9 @@ def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight, norm_weigh
     else:
         hq, h_scale = silu_mul_fp8.silu_mul_fp8_reference(
             y.reshape(y.shape[0], -1), x_scale[:, 0], value(w_gate_up.scale).reshape(-1))
-    return _fp8_scaled(_fp8_dot(hq, w_down, x.dtype), h_scale, value(w_down.scale), x.dtype)
+    product = ScaledProduct(_fp8_dot(hq, w_down, x.dtype), h_scale[:, None], w_down.scale,
+                            x.dtype)
+    return product if unscaled and on_one_device() else product.value()
 
 
 def on_one_device() -> bool:

@@ -16,7 +16,8 @@ from jaxllm.models import moe  # noqa: F401  (registers the "moe" and "moe_ep" M
 from jaxllm.models.layer_stacks import layer_views, value
 from jaxllm.models.layers import MLPS, apply_rope, rms_norm, rope_cos_sin
 from jaxllm.models.lora import TokenLoRA
-from jaxllm.models.quant import linear, norm_linear
+from jaxllm.models.quant import (add_residual, linear, materialize, norm_linear,
+                                 residual_norm_quant)
 from jaxllm.models.batch import StepBatch
 from pallas_kernels.kv_write import write_kv_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -52,17 +53,20 @@ def param_shapes(args: ModelArgs) -> dict:
     return shapes
 
 
-def _project(x: jax.Array, layer: dict, w: str, b: str) -> jax.Array:
-    out = linear(x, layer[w])
-    return out + value(layer[b]) if b in layer else out
+def _project(x: jax.Array, layer: dict, w: str, b: str, unscaled: bool = False):
+    if b in layer:
+        return linear(x, layer[w]) + value(layer[b])
+    return linear(x, layer[w], unscaled)
 
 
-def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = None):
+def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = None,
+         quantized=None):
     """x [T, H] (the residual stream) -> q [T, Hq, D], k, v [T, Hkv, D]: the input norm and one
-    GEMM over the fused wqkv (models/fused.py), the norm in the GEMM where it fits. A layer
-    without an input norm (EAGLE's draft layer) reads x as it is."""
+    GEMM over the fused wqkv (models/fused.py), the norm in the GEMM where it fits (or x's norm
+    already quantised: quant.residual_norm_quant's). A layer without an input norm (EAGLE's
+    draft layer) reads x as it is."""
     if lora is None and "attn_norm" in layer:
-        qkv = norm_linear(x, layer["attn_norm"], args.rms_norm_eps, layer["wqkv"])
+        qkv = norm_linear(x, layer["attn_norm"], args.rms_norm_eps, layer["wqkv"], quantized)
     else:
         h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps) if "attn_norm" in layer else x
         qkv = linear(h, layer["wqkv"])  # [T, Hkv, G + 2, D]
@@ -77,9 +81,11 @@ def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = No
 
 def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBatch, cos, sin,
                      args: ModelArgs, attn: Callable, write_kv: Callable,
-                     lora: TokenLoRA | None):
+                     lora: TokenLoRA | None, quantized=None):
+    """-> (the o projection's output: an array, or without LoRA an FP8 one's
+    quant.ScaledProduct, the caches)."""
     num_tokens = x.shape[0]
-    q, k, v = _qkv(layer, x, args, lora)
+    q, k, v = _qkv(layer, x, args, lora, quantized)
     if args.qk_norm:
         q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
@@ -97,10 +103,9 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
     if scaled:
         out = out * v_scale
     out = out.reshape(num_tokens, args.q_size)
-    projected = _project(out, layer, "wo", "bo")
     if lora is not None:
-        projected = lora.add(projected, out, "o")
-    return projected, k_cache, v_cache
+        return lora.add(_project(out, layer, "wo", "bo"), out, "o"), k_cache, v_cache
+    return _project(out, layer, "wo", "bo", unscaled=True), k_cache, v_cache
 
 
 def forward(params: dict, kv_caches: KVCache, batch: StepBatch, *, args: ModelArgs,
@@ -142,7 +147,9 @@ def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: Step
     LoRA adapter stacks (models/lora.py), read at batch.lora_slots. residual: the stream the
     first layer's attention output adds to, when that layer reads another input x (EAGLE-3's
     draft layer attends over [embedding; feature], [T, 2H]). capture: layer index -> a list
-    the stream entering that layer is appended to."""
+    the stream entering that layer is appended to.
+    Between layers the stream may be a quant.ResidualSum: an FP8 projection's output not yet
+    added, which the next input norm's kernel adds (quant.residual_norm_quant)."""
     mlp = MLPS[args.mlp_kind][0]
     cos, sin = rope_cos_sin(batch.positions, args)
     new_caches = []
@@ -152,18 +159,31 @@ def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: Step
     for index, (layer, (k_cache, v_cache), stacks) in enumerate(zip(layers, kv_caches, loras,
                                                                     strict=True)):
         if capture and index in capture:
+            x = materialize(x)
             capture[index].append(x)
         lora = None if stacks is None else TokenLoRA(stacks, batch.lora_slots)
+        quantized = None
+        if lora is None and "attn_norm" in layer:
+            x, quantized = residual_norm_quant(x, layer["attn_norm"], args.rms_norm_eps,
+                                               layer["wqkv"])
+        x = materialize(x)
         out, k_cache, v_cache = _attention_block(layer, x, k_cache, v_cache, batch, cos, sin,
-                                                 args, attn, write_kv, lora)
-        x = (x if residual is None else residual) + out
+                                                 args, attn, write_kv, lora, quantized)
+        x = add_residual(x if residual is None else residual, out)
         residual = None
-        if dense:  # the norm fused into the gate/up GEMV where it can be
+        if dense and lora is None:  # the norm fused into the gate/up GEMV where it can be
+            x, quantized = residual_norm_quant(x, layer["mlp_norm"], args.rms_norm_eps,
+                                               layer["w_gate_up"])
+            x = add_residual(x, mlp(layer, x, args, norm_weight=layer["mlp_norm"],
+                                    quantized=quantized, unscaled=True))
+        elif dense:
+            x = materialize(x)
             x = x + mlp(layer, x, args, lora=lora, norm_weight=layer["mlp_norm"])
         else:
+            x = materialize(x)
             x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args)
         new_caches.append((k_cache, v_cache))
-    return x, new_caches
+    return materialize(x), new_caches
 
 
 def final_outputs(params: dict, x: jax.Array, batch: StepBatch, kv_caches: KVCache, *,
