@@ -124,6 +124,27 @@ def _residual_kernel(y_ref, ys_ref, ws_ref, r_ref, *refs, eps, block_rows, block
                 layer=norm_layer)
 
 
+def _checked_norm(name: str, x: jax.Array, norm_weight: jax.Array | None,
+                  layer: int | None) -> tuple:
+    """The row stream x's dtype and norm_weight's shape and dtype checked -> the kernel's norm
+    operand: (norm_weight,), or () without one."""
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                  jnp.dtype(jnp.float32)):
+        raise ValueError(f"{name}'s dtype {x.dtype}: bfloat16, float16 or float32")
+    if norm_weight is None:
+        return ()
+    check_stacked("norm_weight", norm_weight, (x.shape[1],), layer)
+    if norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight {norm_weight.dtype}: want {name}'s dtype {x.dtype}")
+    return (norm_weight,)
+
+
+def _row_tiles(hidden: int, block_rows: int | None) -> tuple[int, int]:
+    """(block_h: H padded to a power of two, block_rows: default _TILE_ELEMENTS of it)."""
+    block_h = pl.next_power_of_2(hidden)
+    return block_h, block_rows or max(1, _TILE_ELEMENTS // block_h)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "layer", "block_rows", "num_warps",
                                              "interpret"))
 def fp8_quant(x: jax.Array, norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
@@ -133,17 +154,8 @@ def fp8_quant(x: jax.Array, norm_weight: jax.Array | None = None, *, eps: float 
     program; default: _TILE_ELEMENTS of padded H) and num_warps are the tile knobs; layer: the
     row of a stacked norm_weight."""
     num_rows, hidden = x.shape
-    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                  jnp.dtype(jnp.float32)):
-        raise ValueError(f"x's dtype {x.dtype}: bfloat16, float16 or float32")
-    norm = ()
-    if norm_weight is not None:
-        check_stacked("norm_weight", norm_weight, (hidden,), layer)
-        if norm_weight.dtype != x.dtype:
-            raise ValueError(f"norm_weight {norm_weight.dtype}: want x's dtype {x.dtype}")
-        norm = (norm_weight,)
-    block_h = pl.next_power_of_2(hidden)
-    block_rows = block_rows or max(1, _TILE_ELEMENTS // block_h)
+    norm = _checked_norm("x", x, norm_weight, layer)
+    block_h, block_rows = _row_tiles(hidden, block_rows)
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps, block_rows=block_rows, block_h=block_h, layer=layer),
         grid=(pl.cdiv(num_rows, block_rows),),
@@ -175,21 +187,12 @@ def fp8_quant_residual(y: jax.Array, y_scale: jax.Array, w_scale: jax.Array, res
     docstring). scale_layer, norm_layer: the rows of a stacked w_scale and norm_weight; the
     tile knobs as fp8_quant's."""
     num_rows, hidden = residual.shape
-    if jnp.dtype(residual.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                         jnp.dtype(jnp.float32)):
-        raise ValueError(f"residual's dtype {residual.dtype}: bfloat16, float16 or float32")
+    norm = _checked_norm("residual", residual, norm_weight, norm_layer)
     if y.shape != residual.shape or y_scale.shape != (num_rows,):
         raise ValueError(f"y {y.shape} and y_scale {y_scale.shape}: want {residual.shape} and "
                          f"({num_rows},)")
     check_stacked("w_scale", w_scale, (hidden,), scale_layer)
-    norm = ()
-    if norm_weight is not None:
-        check_stacked("norm_weight", norm_weight, (hidden,), norm_layer)
-        if norm_weight.dtype != residual.dtype:
-            raise ValueError(f"norm_weight {norm_weight.dtype}: want {residual.dtype}")
-        norm = (norm_weight,)
-    block_h = pl.next_power_of_2(hidden)
-    block_rows = block_rows or max(1, _TILE_ELEMENTS // block_h)
+    block_h, block_rows = _row_tiles(hidden, block_rows)
     return pl.pallas_call(
         functools.partial(_residual_kernel, eps=eps, block_rows=block_rows, block_h=block_h,
                           scale_layer=scale_layer, norm_layer=norm_layer),
