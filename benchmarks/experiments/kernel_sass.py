@@ -12,7 +12,8 @@ that keeps what it compiles (a scratch environment only: it moves its ptxas asid
 
 Kernels (8B shapes): attention (a decode bucket, --tokens sequences of 1,536 tokens, --kv-dtype,
 --page-size),
-silu_mul_fp8, fp8_quant (--norm), fp8_gemv (--n, --k, --norm / --swiglu), int4_gemv (--n, --k).
+silu_mul_fp8, fp8_quant (--norm), fp8_quant_residual (--k: H), fp8_gemv (--n, --k, --norm /
+--swiglu), int4_gemv (--n, --k).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def kernel_call(a):
         from pallas_kernels.fp8_quant import fp8_quant
         norm = (sds((4096,), jnp.bfloat16),) if a.norm else ()
         return functools.partial(fp8_quant, **kw), (sds((a.tokens, 4096), jnp.bfloat16), *norm)
+    if a.kernel == "fp8_quant_residual":
+        from pallas_kernels.fp8_quant import fp8_quant_residual
+        rows = sds((a.tokens, a.k), jnp.bfloat16)
+        return functools.partial(fp8_quant_residual, **kw), (
+            rows, sds((a.tokens,), jnp.float32), sds((a.k,), jnp.float32), rows,
+            sds((a.k,), jnp.bfloat16))
     if a.kernel == "fp8_gemv":
         from pallas_kernels.fp8_gemv import fp8_gemv
         norm = (sds((a.k,), jnp.bfloat16),) if a.norm else ()
