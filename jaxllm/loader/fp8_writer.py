@@ -14,7 +14,7 @@ import argparse
 import ml_dtypes
 import numpy as np
 
-from jaxllm.loader.quant_checkpoint import fp8_block_size
+from jaxllm.loader.quant_checkpoint import block_scales, fp8_block_size
 from jaxllm.loader.safetensors_io import iter_tensors, safetensors_files, write_checkpoint
 from jaxllm.models.quant import FP8_MAX, MIN_SCALE
 
@@ -26,7 +26,7 @@ def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, 
     padded = np.pad(np.abs(w.astype(np.float32)), ((0, -n % bn), (0, -k % bk)))
     amax = padded.reshape(padded.shape[0] // bn, bn, -1, bk).max(axis=(1, 3))
     scale = np.maximum(amax, MIN_SCALE) / FP8_MAX  # [Nb, Kb]
-    full = np.repeat(np.repeat(scale, bn, axis=0)[:n], bk, axis=1)[:, :k]
+    full = np.asarray(block_scales(scale, block, (n, k)))
     values = np.clip(w.astype(np.float32) / full, -FP8_MAX, FP8_MAX)
     return values.astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
 

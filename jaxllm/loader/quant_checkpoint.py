@@ -185,11 +185,16 @@ def requantize_blocks(values, scale, block: tuple[int, int]) -> Fp8Weight:
 
 def dequantize_blocks(values, scale, block: tuple[int, int]) -> jax.Array:
     """values [N, K] float8, scale [cdiv(N, bn), cdiv(K, bk)] -> w [N, K] float32: each value
-    times its block's scale (the last blocks may be partial)."""
-    n, k = values.shape
-    scale = jnp.repeat(jnp.repeat(jnp.asarray(scale, jnp.float32), block[0], axis=0)[:n],
-                       block[1], axis=1)[:, :k]
-    return jnp.asarray(values).astype(jnp.float32) * scale
+    times its block's scale."""
+    return jnp.asarray(values).astype(jnp.float32) * block_scales(scale, block, values.shape)
+
+
+def block_scales(scale, block: tuple[int, int], shape: tuple[int, int]) -> jax.Array:
+    """scale [cdiv(N, bn), cdiv(K, bk)] -> [N, K] float32: each element's block's scale (the
+    last blocks may be partial)."""
+    (n, k), (bn, bk) = shape, block
+    return jnp.repeat(jnp.repeat(jnp.asarray(scale, jnp.float32), bn, axis=0)[:n], bk,
+                      axis=1)[:, :k]
 
 
 def _unpack_rows(packed: np.ndarray) -> np.ndarray:
@@ -299,7 +304,7 @@ class QuantizedLinears:
                 raise ValueError(f"Quantised linear {base} has {sorted(tensors)} but no weight.")
             name = f"{base}.weight"
             if "weight" in tensors and split_expert_path(map_hf_name(name)[0])[1] is not None:
-                yield name, _fp8_weight(tensors, fp8_block_size(self.qconfig))
+                yield name, _fp8_weight(tensors, block)
             else:
                 yield name, build_weight(self.method, tensors, self.qconfig, self.dtype,
                                          shardings(name))

@@ -119,7 +119,7 @@ def linear(x: jax.Array, w, unscaled: bool = False):
 def _fp8_linear(x: jax.Array, w: Fp8Weight, unscaled: bool = False):
     if fp8_gemv_applies(x):
         return _fp8_gemv(x, w)
-    return _fp8_w8a8(x, w, unscaled=unscaled and on_one_device())
+    return _fp8_w8a8(x, w, unscaled=unscaled)
 
 
 def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0, *,
@@ -128,8 +128,7 @@ def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0, *,
     already: residual_norm_quant's), one FP8 x FP8 dot, then both scales (or, unscaled, a
     ScaledProduct)."""
     xq, x_scale = quantized or quantize_activations(x, norm_weight, eps)
-    product = ScaledProduct(_fp8_dot(xq, w, x.dtype), x_scale, w.scale, x.dtype)
-    return product if unscaled else product.value()
+    return _output(ScaledProduct(_fp8_dot(xq, w, x.dtype), x_scale, w.scale, x.dtype), unscaled)
 
 
 @dataclass(frozen=True)
@@ -159,6 +158,12 @@ class ResidualSum:
         return self.residual + self.product.value()
 
 
+def _output(product: ScaledProduct, unscaled: bool):
+    """The product as it is where asked and residual_norm_quant's kernel can take it (on one
+    device), else scaled."""
+    return product if unscaled and on_one_device() else product.value()
+
+
 def add_residual(residual: jax.Array, out):
     """residual + out (an array or a ScaledProduct, whose add waits for residual_norm_quant)."""
     return ResidualSum(residual, out) if isinstance(out, ScaledProduct) else residual + out
@@ -177,8 +182,7 @@ def residual_norm_quant(x, norm_weight, eps: float, w):
     materialize's add, then quantize_activations)."""
     if not isinstance(x, ResidualSum):
         return x, None
-    if not (isinstance(w, Fp8Weight) and not fp8_gemv_applies(x.residual)
-            and norm_weight.dtype == x.residual.dtype):
+    if not (isinstance(w, Fp8Weight) and norm_weight.dtype == x.residual.dtype):
         return x.value(), None
     product = x.product
     if jax.default_backend() == "gpu":
@@ -327,9 +331,8 @@ def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight, norm_weigh
     else:
         hq, h_scale = silu_mul_fp8.silu_mul_fp8_reference(
             y.reshape(y.shape[0], -1), x_scale[:, 0], value(w_gate_up.scale).reshape(-1))
-    product = ScaledProduct(_fp8_dot(hq, w_down, x.dtype), h_scale[:, None], w_down.scale,
-                            x.dtype)
-    return product if unscaled and on_one_device() else product.value()
+    return _output(ScaledProduct(_fp8_dot(hq, w_down, x.dtype), h_scale[:, None], w_down.scale,
+                                 x.dtype), unscaled)
 
 
 def on_one_device() -> bool:

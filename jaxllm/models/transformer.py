@@ -176,12 +176,10 @@ def run_layers(layers: list[dict], kv_caches: KVCache, x: jax.Array, batch: Step
                                                layer["w_gate_up"])
             x = add_residual(x, mlp(layer, x, args, norm_weight=layer["mlp_norm"],
                                     quantized=quantized, unscaled=True))
-        elif dense:
-            x = materialize(x)
-            x = x + mlp(layer, x, args, lora=lora, norm_weight=layer["mlp_norm"])
         else:
             x = materialize(x)
-            x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args)
+            x = x + (mlp(layer, x, args, lora=lora, norm_weight=layer["mlp_norm"]) if dense
+                     else mlp(layer, rms_norm(x, layer["mlp_norm"], args.rms_norm_eps), args))
         new_caches.append((k_cache, v_cache))
     return materialize(x), new_caches
 
