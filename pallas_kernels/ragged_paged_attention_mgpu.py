@@ -51,12 +51,14 @@ def tile_metadata(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int, tile_tokens:
     """-> [max_tiles, 5] int32, per query tile: its sequence, first flat token, token count,
     first query position, and the sequence's kv_len. Each live sequence's tokens split into
     tiles of `tile_tokens`; the padding rows [cu_q_lens[num_seqs], num_tokens) follow as tiles
-    with kv_len 0 (the kernel writes them zeros); the rest are empty (token count 0)."""
+    with kv_len 0 (the kernel writes them zeros); the rest are empty (token count 0). A live
+    sequence of kv_len 0 gets no tile: its rows are left unwritten, for another kernel."""
     max_seqs = kv_lens.shape[0]
     live = jnp.arange(max_seqs) < num_seqs[0]
     live_end = cu_q_lens[num_seqs[0]]
     starts = jnp.append(cu_q_lens[:-1], live_end)  # [S + 1]: the padding rows as one more
-    lens = jnp.append(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0), num_tokens - live_end)
+    keyed = live & (kv_lens > 0)  # a live sequence without keys is another kernel's: no tiles
+    lens = jnp.append(jnp.where(keyed, cu_q_lens[1:] - cu_q_lens[:-1], 0), num_tokens - live_end)
     kv = jnp.append(jnp.where(live, kv_lens, 0), 0)
     tiles_per = (lens + tile_tokens - 1) // tile_tokens
     tiles_end = jnp.cumsum(tiles_per)
