@@ -27,6 +27,10 @@ from pallas_kernels import ptx
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
 _MASK_INIT = -1e30
+# A float8 cache's prefill sequences a bucket stages for the Mosaic kernel at most (the rest take
+# the Triton kernel): its grid holds their tiles, and a program without a tile still takes an
+# SM's shared memory for its turn.
+_MAX_STAGED_SEQS = 16
 # V's int16 words, two at a time (one 32-bit register, bytes b0..b3: even d, odd d of the first
 # word, then of the second) -> the even values (b0, b2; selector 0x5420) or the odd (b1, b3;
 # 0x5431) as an fp16 pair: a byte permute and sm_89's float8 pair conversion (Triton's 16-bit
@@ -379,15 +383,18 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
 def _staged_mosaic(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                    sm_scale, k_scale, v_scale, **triton_kw):
     """A float8 cache's bucket with the prefill on the Mosaic kernel: its sequences' pages
-    staged in 16 bits while they fit twice the bucket's tokens (their K as float8 values, exact
-    in 16 bits, k_scale folded into the scores; V times v_scale); the prefill sequences past
-    that, then the decodes, on the Triton kernel, each writing its own rows."""
+    staged in 16 bits while they fit twice the bucket's tokens of pages and _MAX_STAGED_SEQS
+    sequences (their K as float8 values, exact in 16 bits, k_scale folded into the scores; V
+    times v_scale); the prefill sequences past that, then the decodes, on the Triton kernel,
+    each writing its own rows."""
     num_staged = min(k_cache.shape[0], 2 * pl.cdiv(q.shape[0], k_cache.shape[2]))
+    max_staged_seqs = min(_MAX_STAGED_SEQS, block_tables.shape[0])
     k16, v16, tables, staged_kv_lens, rest_kv_lens = _stage_prefill_pages(
         k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, dtype=q.dtype,
-        v_scale=v_scale, num_staged=num_staged)
+        v_scale=v_scale, num_staged=num_staged, max_staged_seqs=max_staged_seqs)
     out = mgpu.ragged_paged_attention_mgpu(q, k16, v16, staged_kv_lens, tables, cu_q_lens,
-                                           num_seqs, sm_scale=sm_scale * k_scale)
+                                           num_seqs, sm_scale=sm_scale * k_scale,
+                                           max_keyed_seqs=max_staged_seqs)
     kw = dict(triton_kw, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     out = _triton_attention(q, k_cache, v_cache, rest_kv_lens, block_tables, cu_q_lens,
                             num_seqs, only="prefill", out=out, **kw)
@@ -396,9 +403,10 @@ def _staged_mosaic(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
 
 
 def _stage_prefill_pages(k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                         dtype, v_scale: float, num_staged: int):
+                         dtype, v_scale: float, num_staged: int, max_staged_seqs: int):
     """The pages of the prefill sequences (q_len > 1), in batch order while they fit
-    `num_staged` pages, copied from a float8 cache in `dtype`: (k, v [num_staged, Hkv, P, D]
+    `num_staged` pages and `max_staged_seqs` sequences, copied from a float8 cache in `dtype`:
+    (k, v [num_staged, Hkv, P, D]
     (v times v_scale), their block tables [S, B], kv_lens of the staged sequences and of the
     others [S], each 0 where the other holds the sequence). Slots past the staged pages copy
     page 0 (finite, never read)."""
@@ -409,7 +417,8 @@ def _stage_prefill_pages(k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     pages = jnp.where(prefill, pl.cdiv(kv_lens, page_size), 0)  # [S]
     end = jnp.cumsum(pages)
     start = end - pages
-    staged = prefill & (end <= num_staged)  # end grows: the staged sequences are a prefix
+    # end and the count grow: the staged sequences are a prefix of the prefill ones
+    staged = prefill & (end <= num_staged) & (jnp.cumsum(prefill) <= max_staged_seqs)
     slot = jnp.arange(num_staged, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(end, slot, side="right"), max_seqs - 1)  # [num_staged]
     used = slot < jnp.sum(jnp.where(staged, pages, 0))

@@ -247,12 +247,16 @@ def _store_rows(o_rows, out_ref, tok0, ntok, kv_head, group, tokens_per_wg):
             size //= 2
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages",
+                                             "max_keyed_seqs"))
 def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                                 *, sm_scale: float, block_kv: int = 128,
-                                num_stages: int = 2):
+                                num_stages: int = 2, max_keyed_seqs: int | None = None):
     """The Mosaic GPU kernel (Hopper); the contract of `ragged_paged_attention`, within
-    `supports`. Padding rows (past cu_q_lens[num_seqs]) come back zero."""
+    `supports`. Padding rows (past cu_q_lens[num_seqs]) come back zero. max_keyed_seqs: the
+    most live sequences with keys (kv_len > 0) a call has, if fewer than the batch's slots; the
+    grid then holds that many sequences' tiles (an empty program still claims a GPU's shared
+    memory for its turn)."""
     if not supports(q, k_cache, block_kv=block_kv):
         raise ValueError(f"ragged_paged_attention_mgpu: unsupported q {q.shape} {q.dtype}, "
                          f"cache {k_cache.shape} {k_cache.dtype}, block_kv={block_kv}")
@@ -264,7 +268,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q
                          f"of shared memory; the H200 has {_SMEM_BYTES}")
     group = num_q_heads // num_kv_heads
     tile_tokens = 2 * (_ROWS // group)
-    num_tiles = max_tiles(num_tokens, block_tables.shape[0], tile_tokens)
+    num_tiles = max_tiles(num_tokens, max_keyed_seqs or block_tables.shape[0], tile_tokens)
     meta = tile_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                          tile_tokens=tile_tokens, max_tiles=num_tiles)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -234,34 +234,39 @@ def test_fp8_prefill_bucket_runs_its_decodes_apart():
     assert rel_err(out[:live], ref[:live]) < 2e-2
 
 
-def test_fp8_prefill_pages_staged_in_16_bits():
-    """The prefill sequences' pages copied for the Mosaic kernel, in batch order while they fit:
-    attention over the copies (k_scale folded into sm_scale) is the float8 cache's, the decodes
-    and the sequence past the staged pages keep their kv_lens for the Triton kernel."""
+@pytest.mark.parametrize("num_staged,max_seqs,staged_seqs", [
+    (16, 16, [1]), (64, 1, [1]), (64, 16, [1, 4]), (2, 16, [])])
+def test_fp8_prefill_pages_staged_in_16_bits(num_staged, max_seqs, staged_seqs):
+    """The prefill sequences' pages copied for the Mosaic kernel, in batch order while they fit
+    the pages and the sequences given: attention over the copies (k_scale folded into sm_scale)
+    is the float8 cache's; the decodes and the sequences not staged keep their kv_lens for the
+    Triton kernel. Prefill sequences: 1 (47 keys: 3 pages) and 4 (213 keys: 14 pages)."""
     _, clean, _ = mixed_fp8_batch(70)
     q, k_cache, v_cache, kv_lens, tables, cu, num_seqs = clean
-    # prefill sequences 1 (47 keys: 3 pages) and 4 (213 keys: 14 pages); 16 pages hold only 1
     k16, v16, staged_tables, staged_kv, rest_kv = rpa._stage_prefill_pages(
         k_cache, v_cache, kv_lens, tables, cu, num_seqs, dtype=jnp.bfloat16, v_scale=4.0,
-        num_staged=16)
-    assert k16.shape == (16, *k_cache.shape[1:]) and k16.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(staged_kv, np.where(np.arange(7) == 1, kv_lens, 0))
-    np.testing.assert_array_equal(rest_kv, np.where(np.arange(7) == 1, 0, kv_lens))
+        num_staged=num_staged, max_staged_seqs=max_seqs)
+    assert k16.shape == (num_staged, *k_cache.shape[1:]) and k16.dtype == jnp.bfloat16
+    staged = np.isin(np.arange(7), staged_seqs)
+    np.testing.assert_array_equal(staged_kv, np.where(staged, kv_lens, 0))
+    np.testing.assert_array_equal(rest_kv, np.where(staged, 0, kv_lens))
     ref_in = [clean[0].astype(jnp.float32), *clean[1:]]
     want = ragged_paged_attention_reference(*ref_in, sm_scale=0.125, k_scale=0.25, v_scale=4.0)
     got = ragged_paged_attention_reference(
         q.astype(jnp.float32), k16.astype(jnp.float32), v16.astype(jnp.float32), staged_kv,
         staged_tables, cu, num_seqs, sm_scale=0.125 * 0.25)
-    rows = slice(int(cu[1]), int(cu[2]))  # sequence 1's
-    assert np.isfinite(np.asarray(got[rows])).all()
-    assert rel_err(got[rows], want[rows]) < 1e-2  # V times its scale, rounded to bf16
+    for s in staged_seqs:
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        assert np.isfinite(np.asarray(got[rows])).all()
+        assert rel_err(got[rows], want[rows]) < 1e-2  # V times its scale, rounded to bf16
 
 
 def test_fp8_mosaic_path_writes_every_row_from_its_kernel(monkeypatch):
     """implementation='mosaic' on float8 pages: the staged prefill on the Mosaic kernel (here a
     stand-in that leaves the rows of sequences without keys NaN, as the kernel leaves them
     unwritten), the prefill past the staged pages and the decodes on the Triton kernel."""
-    def mosaic_stand_in(q, k, v, kv_lens, tables, cu, num_seqs, *, sm_scale):
+    def mosaic_stand_in(q, k, v, kv_lens, tables, cu, num_seqs, *, sm_scale, max_keyed_seqs):
+        assert max_keyed_seqs == 7  # the batch's 7 slots, under the 16 staged at most
         # the kernel masks a last page's rows past kv_len (poisoned here), the reference's
         # products with them would be NaN
         k, v = (jnp.nan_to_num(x.astype(jnp.float32)) for x in (k, v))
