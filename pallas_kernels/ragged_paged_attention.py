@@ -341,8 +341,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     buckets (more tokens than sequences) on a Hopper GPU where it supports the call and no
     Triton tile is given, else Triton.
     Padding rows (past cu_q_lens[num_seqs]) come back zero. A float8_e4m3fn cache (scales
-    k_scale, v_scale) reaches the Mosaic kernel, which reads 16-bit pages, through 16-bit copies
-    of its prefill sequences' pages (`_staged_mosaic`); its decodes take the Triton kernel.
+    k_scale, v_scale) takes the Triton kernel by default; with implementation="mosaic" its
+    prefill reaches the Mosaic kernel, which reads 16-bit pages, through 16-bit copies of its
+    prefill sequences' pages (`_staged_mosaic`), and its decodes take the Triton kernel.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     max_seqs = block_tables.shape[0]
@@ -360,8 +361,9 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
                          f"cap; got q {q.shape} {q.dtype}, k_cache {k_cache.shape} "
                          f"{k_cache.dtype}")
     triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
-    auto_mosaic = (implementation is None and supported and not interpret and not triton_tiles
-                   and q.shape[0] > max_seqs and _is_hopper())
+    # float8 pages reach the Mosaic kernel (their prefill pages staged) only when asked for
+    auto_mosaic = (implementation is None and supported and not fp8_pages and not interpret
+                   and not triton_tiles and q.shape[0] > max_seqs and _is_hopper())
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               interpret=interpret, k_scale=k_scale, v_scale=v_scale)
