@@ -367,12 +367,11 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               interpret=interpret, k_scale=k_scale, v_scale=v_scale)
-    if (implementation == "mosaic" or auto_mosaic) and fp8_pages:
-        return _staged_mosaic(*args, **kw)
     if implementation == "mosaic" or auto_mosaic:
-        return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
-                                                cu_q_lens, num_seqs, sm_scale=sm_scale)
-    if not triton_tiles and k_cache.dtype == jnp.float8_e4m3fn and q.shape[0] > max_seqs:
+        if fp8_pages:
+            return _staged_mosaic(*args, **kw)
+        return mgpu.ragged_paged_attention_mgpu(*args, sm_scale=sm_scale)
+    if not triton_tiles and fp8_pages and q.shape[0] > max_seqs:
         # A prefill bucket's decodes launch apart, at the decode tiling: on float8 pages it
         # reads them faster than the prefill tiling (experiments/fp8_kv_attention_gpu.py).
         return _triton_attention(*args, only="prefill", **kw,
@@ -408,10 +407,9 @@ def _stage_prefill_pages(k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
                          dtype, v_scale: float, num_staged: int, max_staged_seqs: int):
     """The pages of the prefill sequences (q_len > 1), in batch order while they fit
     `num_staged` pages and `max_staged_seqs` sequences, copied from a float8 cache in `dtype`:
-    (k, v [num_staged, Hkv, P, D]
-    (v times v_scale), their block tables [S, B], kv_lens of the staged sequences and of the
-    others [S], each 0 where the other holds the sequence). Slots past the staged pages copy
-    page 0 (finite, never read)."""
+    (k, v [num_staged, Hkv, P, D] (v times v_scale), their block tables [S, B], kv_lens of the
+    staged sequences and of the others [S], each 0 where the other holds the sequence). Slots
+    past the staged pages copy page 0 (finite, never read)."""
     page_size = k_cache.shape[2]
     max_seqs, max_pages = block_tables.shape
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]

@@ -7,11 +7,11 @@ on an FP8 cache and 13.1 ms on bf16: docs/lab/, session 13).
 
 Cases: decode, 512 sequences x 1536 tokens and 8 x 8192 (KV splits); a mixed prefill bucket
 (511 decodes at 1536 and a 1536-token prompt, 2048 tokens; on the GPU also through the entry's
-Mosaic path: bf16 pages, and float8 pages with the prompt's pages staged in 16 bits); and the 512 x 1536 decode's bytes
-as 4,096 sequences of one KV head (4 q heads) each: a program then reads its pages as contiguous
-runs (16 tokens x 128 dims, 2 KB in float8) where the cache's [page, token, head, dim] layout
-gives it 128-byte pieces 1 KB apart, the locality of a head-major page layout (TensorRT-LLM's)
-without changing the kernel. Each FP8 output against the fp32 reference of the same cache;
+Mosaic path: bf16 pages, and float8 pages with the prompt's pages staged in 16 bits); and the
+512 x 1536 decode's bytes as 4,096 sequences of one KV head (4 q heads) each: a program then
+reads its pages as contiguous runs (16 tokens x 128 dims, 2 KB in float8) where the cache's
+[page, token, head, dim] layout gives it 128-byte pieces 1 KB apart, the locality of a
+head-major page layout (TensorRT-LLM's) without changing the kernel. Each FP8 output against the fp32 reference of the same cache;
 times by `ceilings.time_chain`; % of the copy bandwidth for the cache bytes read.
 """
 
