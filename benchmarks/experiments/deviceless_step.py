@@ -184,14 +184,21 @@ def abstract_8b_params(model: str, quantization: str | None, sharding):
     from jaxllm.models import ModelArgs, fuse_params
     from jaxllm.models.layer_stacks import stack_layers
     from jaxllm.models.presets import PRESETS
-    from jaxllm.models.quant import QUANTIZED_NAMES, quantize_fp8
+    from jaxllm.models.quant import QUANTIZED_NAMES, Fp8BlockWeight, quantize_fp8
 
     args = ModelArgs.from_hf_config(PRESETS[model])
 
     def build():
         params = fuse_params(dummy_params(args, jnp.bfloat16), args.num_kv_heads)
         int4 = lambda w: random_int4_weight(jax.random.key(0), w)  # noqa: E731
-        quantize = {"fp8": quantize_fp8, "int4": int4, None: None}[quantization]
+
+        def fp8_block(w):  # a 128 x 128 block-wise checkpoint's weight, as loaded
+            values = quantize_fp8(w).values
+            groups = -(-w.shape[0] // 128)
+            return Fp8BlockWeight(values, jnp.ones((*values.shape[:-1], groups), jnp.float32))
+
+        quantize = {"fp8": quantize_fp8, "fp8-block": fp8_block, "int4": int4,
+                    None: None}[quantization]
         if quantize is not None:
             params["layers"] = [{k: quantize(v) if k in QUANTIZED_NAMES else v
                                  for k, v in layer.items()} for layer in params["layers"]]
@@ -280,7 +287,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--quantization", choices=["fp8", "int4"])
+    parser.add_argument("--quantization", choices=["fp8", "fp8-block", "int4"])
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--stages", default="greedy", choices=["greedy", "plain", "all"])
     parser.add_argument("--top", type=int, default=40)

@@ -13,7 +13,7 @@ that keeps what it compiles (a scratch environment only: it moves its ptxas asid
 Kernels (8B shapes): attention (a decode bucket, --tokens sequences of 1,536 tokens, --kv-dtype,
 --page-size),
 silu_mul_fp8, fp8_quant (--norm), fp8_quant_residual (--k: H), fp8_gemv (--n, --k, --norm /
---swiglu), int4_gemv (--n, --k).
+--swiglu), int4_gemv (--n, --k), fp8_block_matmul (--tokens, --n, --k; groups of 128).
 """
 
 from __future__ import annotations
@@ -126,6 +126,12 @@ def kernel_call(a):
         return functools.partial(int4_gemv, **kw), (
             sds((a.tokens, a.k), jnp.bfloat16), sds((a.k // 8, a.n), jnp.int32),
             sds((a.k // 128, a.n), jnp.bfloat16), sds((a.k // 128, a.n), jnp.uint8))
+    if a.kernel == "fp8_block_matmul":
+        from pallas_kernels.fp8_block_matmul import fp8_block_matmul
+        groups = a.k // 128
+        return functools.partial(fp8_block_matmul, group=128, **kw), (
+            sds((a.tokens, a.k), jnp.float8_e4m3fn), sds((a.tokens, groups), jnp.float32),
+            sds((a.n, a.k), jnp.float8_e4m3fn), sds((a.n, groups), jnp.float32))
     raise SystemExit(f"unknown kernel {a.kernel}")
 
 

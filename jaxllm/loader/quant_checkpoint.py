@@ -8,8 +8,9 @@ Formats, as their writers define them (HF weights are [out, in] = [N, K]):
       experts are linears of their own (`experts.{e}.gate_proj` ...), stacked after reading.
       Block-wise (fp8's `weight_block_size` [bn, bk] with `weight_scale_inv`, compressed-tensors'
       `block` strategy with `weight_scale`): scales [cdiv(N, bn), cdiv(K, bk)], w = values times
-      its block's scale. Requantised per output channel at load (one more float8 rounding: the
-      accuracy table in docs/quantization.md), so every FP8 kernel and layout serves them.
+      its block's scale. Kept as they are (Fp8BlockWeight: the block-scaled kernel) on one
+      device; MoE experts, a mesh and blocks of fewer than 32 K rows are requantised per output
+      channel (one more float8 rounding: the accuracy table in docs/quantization.md).
   gptq: `qweight` [K / 8, N] int32, nibble i of word r = row 8r + i; `qzeros` [K / g, N / 8]
       int32, nibble i of word c = column 8c + i, stored minus one (GPTQ's v1 format);
       `scales` [K / g, N]; `g_idx` [K]: the group of each input row (act order permutes it).
@@ -31,8 +32,9 @@ from jax.sharding import NamedSharding
 
 from jaxllm.models import ModelArgs
 from jaxllm.loader.hf_names import map_hf_name, split_expert_path
-from jaxllm.models.quant import (INT4_CHUNK_ROWS, Fp8Experts, Fp8Weight, Int4Weight, k_shards_of,
-                                 pack_int4, quantize_fp8, shard_weight)
+from jaxllm.models.quant import (BLOCK_MIN_GROUP, INT4_CHUNK_ROWS, Fp8BlockWeight, Fp8Experts,
+                                 Fp8Weight, Int4Weight, k_shards_of, pack_int4, quantize_fp8,
+                                 shard_weight)
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +143,9 @@ def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dty
     the loader and fuse_params use (before fusion), placed per `sharding` (the plain matrix's:
     models/quant.shard_weight; None: the default device)."""
     if "weight" in tensors:
-        return shard_weight(_fp8_weight(tensors, fp8_block_size(qconfig)), sharding)
+        block = fp8_block_size(qconfig)
+        return shard_weight(_fp8_weight(tensors, block, keep_blocks=keeps_blocks(block, sharding)),
+                            sharding)
     if method == "gptq":
         q, zeros, scales, g_idx = unpack_gptq(tensors, qconfig)
     else:
@@ -162,11 +166,20 @@ def fp8_block_size(qconfig: dict) -> tuple[int, int] | None:
     return None
 
 
-def _fp8_weight(tensors: dict[str, np.ndarray], block: tuple[int, int] | None) -> Fp8Weight:
+def keeps_blocks(block: tuple[int, int] | None, sharding: NamedSharding | None) -> bool:
+    """Whether a dense linear with these block scales runs block-scaled: on one device (no
+    placement) and blocks the kernel takes."""
+    return block is not None and sharding is None and block[1] % BLOCK_MIN_GROUP == 0
+
+
+def _fp8_weight(tensors: dict[str, np.ndarray], block: tuple[int, int] | None,
+                keep_blocks: bool = False) -> Fp8Weight | Fp8BlockWeight:
     values = tensors["weight"]  # [N, K]
     n, k = values.shape
     scale = np.asarray(tensors.get("weight_scale_inv", tensors.get("weight_scale")), np.float32)
     if block is not None and scale.shape == (-(-n // block[0]), -(-k // block[1])):
+        if keep_blocks:  # a block's scale on each of its rows
+            return Fp8BlockWeight(values, np.repeat(scale, block[0], axis=0)[:n], block[1])
         return requantize_blocks(values, scale, block)
     scale = scale.reshape(-1)
     if scale.size not in (1, n):
@@ -287,15 +300,28 @@ class QuantizedLinears:
         self.tensors.setdefault(base, {})[suffix] = host
         return True
 
+    def _log_blocks(self, block: tuple[int, int] | None, shardings) -> None:
+        if block is None:
+            return
+        names = [f"{base}.weight" for base, t in self.tensors.items() if "weight" in t]
+        expert = lambda name: split_expert_path(map_hf_name(name)[0])[1] is not None
+        requantised = [name for name in names
+                       if expert(name) or not keeps_blocks(block, shardings(name))]
+        if not requantised:
+            logger.info("Block-wise FP8 scales (block %s): block-scaled FP8 kernels, activations "
+                        "quantised per token and group of %d.", list(block), block[1])
+            return
+        logger.warning("Block-wise FP8 scales (block %s): %d of %d linears (MoE experts, on a "
+                       "mesh, or blocks under %d rows of K) requantised per output channel at "
+                       "load: one more float8 rounding (its cost: docs/quantization.md).",
+                       list(block), len(requantised), len(names), BLOCK_MIN_GROUP)
+
     def weights(self, shardings: Callable[[str], NamedSharding | None]):
         """Yields (checkpoint name of the linear's weight, quantised weight) for each linear,
         placed per shardings(checkpoint name of the weight); an MoE expert's FP8 weight is left
         unplaced, for stack_fp8_experts."""
         block = fp8_block_size(self.qconfig)
-        if block is not None:
-            logger.warning("Block-wise FP8 scales (block %s) are requantised per output channel "
-                           "at load: one more float8 rounding (its cost: docs/quantization.md); "
-                           "jaxllm has no block-scaled FP8 kernels yet.", list(block))
+        self._log_blocks(block, shardings)
         if any("input_scale" in t for t in self.tensors.values()):
             logger.info("The checkpoint's static input scales are not used: activations are "
                         "quantised per token.")

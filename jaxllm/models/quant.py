@@ -7,6 +7,11 @@ A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one o
              GEMV kernel (pallas_kernels/fp8_gemv.py), the weight read being the whole cost.
              More tokens, W8A8: activations quantised per token on the fly, one FP8 x FP8 dot
              accumulating in fp32, then both scales.
+  Fp8BlockWeight values [*out, K] float8_e4m3fn, scale [*out, G] float32, `group` rows of K a
+             scale (block-wise checkpoints: a block's scale repeated over its rows of output
+             channels): w[k, o] = values[o, k] * scale[o, k // group]. W8A8 with the activations
+             quantised per token and group, in the block-scaled kernel
+             (pallas_kernels/fp8_block_matmul.py) on one device.
   Fp8Experts values [E, K, N] float8_e4m3fn, scale [E, N] float32: an MoE layer's experts, each
              per output channel; W8A16 in the grouped matmul (a tile cast after its load, the
              accumulator scaled), the experts' own [E, K, N] layout kept.
@@ -39,10 +44,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.layer_stacks import in_place, value
-from pallas_kernels import fp8_gemv, fp8_quant, int4_gemv, quant_matmul, silu_mul_fp8
+from pallas_kernels import (fp8_block_matmul, fp8_gemv, fp8_quant, int4_gemv, quant_matmul,
+                            silu_mul_fp8)
 from pallas_kernels.quant_matmul import CHUNK_ROWS as INT4_CHUNK_ROWS, pack_int4  # noqa: F401 (loaders)
 
 FP8, FP8_MAX, MIN_SCALE = fp8_quant.FP8, fp8_quant.FP8_MAX, fp8_quant.MIN_SCALE
+BLOCK_MIN_GROUP = fp8_block_matmul.MIN_GROUP  # Fp8BlockWeight's smallest group (loaders)
 SWIGLU_KERNEL_MIN_TOKENS = 512  # fp8_swiglu from here on: see fp8_swiglu_applies
 # the GEMVs (W8A16, W4A16) up to here: one row; the runner gives engines with such weights a
 # one-token bucket (worker/model_runner.py's token_buckets) for them
@@ -59,6 +66,18 @@ class Fp8Weight:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical [K, *out] shape, as the plain weight it stands for."""
+        return (self.values.shape[-1], *self.values.shape[:-1])
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Fp8BlockWeight:
+    values: jax.Array  # [*out, K] float8_e4m3fn
+    scale: jax.Array  # [*out, cdiv(K, group)] float32
+    group: int = field(default=128, metadata=dict(static=True))  # K rows a scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
         return (self.values.shape[-1], *self.values.shape[:-1])
 
 
@@ -93,7 +112,7 @@ class Int4Weight:
         return (self.in_features, *self.qweight.shape[1:])
 
 
-QUANTIZED = (Fp8Weight, Fp8Experts, Int4Weight)
+QUANTIZED = (Fp8Weight, Fp8BlockWeight, Fp8Experts, Int4Weight)
 
 
 def rms_norm(x: jax.Array, weight, eps: float) -> jax.Array:
@@ -113,6 +132,8 @@ def linear(x: jax.Array, w, unscaled: bool = False):
         return _fp8_linear(x, w, unscaled)
     if isinstance(w, Int4Weight):
         return _int4_linear(x, w)
+    if isinstance(w, Fp8BlockWeight):
+        return _fp8_block_linear(x, w)
     return jnp.tensordot(x, w, axes=1)
 
 
@@ -120,6 +141,21 @@ def _fp8_linear(x: jax.Array, w: Fp8Weight, unscaled: bool = False):
     if fp8_gemv_applies(x):
         return _fp8_gemv(x, w)
     return _fp8_w8a8(x, w, unscaled=unscaled)
+
+
+def _fp8_block_linear(x: jax.Array, w: Fp8BlockWeight) -> jax.Array:
+    """x [T, K] quantised per token and group, times w's blocks (the kernel on one GPU, its
+    reference elsewhere) -> [T, *out] in x's dtype; w's output axes flattened for it."""
+    xq, x_scale = quantize_fp8_groups(x, w.group)
+    values = w.values.reshape(-1, w.values.shape[-1])
+    scale = w.scale.reshape(-1, w.scale.shape[-1])
+    if jax.default_backend() == "gpu" and on_one_device():
+        y = fp8_block_matmul.fp8_block_matmul(xq, x_scale, values, scale, group=w.group,
+                                              out_dtype=x.dtype)
+    else:
+        y = fp8_block_matmul.fp8_block_matmul_reference(xq, x_scale, values, scale, w.group,
+                                                        x.dtype)
+    return y.reshape(x.shape[0], *w.values.shape[:-1])
 
 
 def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0, *,
@@ -394,6 +430,16 @@ def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _to_fp8(x, -1)
 
 
+def quantize_fp8_groups(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (float8_e4m3fn [T, K], fp32 scale [T, cdiv(K, group)]) per token and group of
+    K (the last group may be partial): x ~ values * scale[:, k // group]."""
+    t, k = x.shape
+    groups = -(-k // group)
+    padded = jnp.pad(x, ((0, 0), (0, groups * group - k))).reshape(t, groups, group)
+    values, scale = _to_fp8(padded, -1)  # [T, G, group], [T, G, 1]
+    return values.reshape(t, -1)[:, :k], scale[..., 0]
+
+
 @jax.jit
 def quantize_fp8(w: jax.Array) -> Fp8Weight:
     """w [K, *out] -> Fp8Weight with one scale per output channel (its absolute max / 448)."""
@@ -416,6 +462,10 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
     if isinstance(w, Fp8Weight):
         values = jnp.moveaxis(w.values, -1, 0).astype(jnp.float32)
         return (values * value(w.scale)).astype(dtype)
+    if isinstance(w, Fp8BlockWeight):
+        k = w.values.shape[-1]
+        scale = jnp.repeat(w.scale, w.group, axis=-1)[..., :k]  # [*out, K]
+        return jnp.moveaxis(w.values.astype(jnp.float32) * scale, -1, 0).astype(dtype)
     if isinstance(w, Int4Weight):
         flat = lambda a: a.reshape(a.shape[0], -1)
         dense = quant_matmul.dequantize_int4(flat(w.qweight), flat(value(w.scales)),
@@ -436,6 +486,10 @@ def map_out(fn: Callable[..., jax.Array], ws: list):
     if isinstance(first, Fp8Weight):
         values = fn(*(jnp.moveaxis(w.values, -1, 0) for w in ws))
         return Fp8Weight(jnp.moveaxis(values, 0, -1), fn(*(w.scale for w in ws)))
+    if isinstance(first, Fp8BlockWeight):
+        moved = lambda arrays: (jnp.moveaxis(a, -1, 0) for a in arrays)  # K (or G) first
+        return Fp8BlockWeight(jnp.moveaxis(fn(*moved(w.values for w in ws)), 0, -1),
+                              jnp.moveaxis(fn(*moved(w.scale for w in ws)), 0, -1), first.group)
     if isinstance(first, Int4Weight):  # a new layout: placed again by shard_weight
         return dataclasses.replace(first, qweight=fn(*(w.qweight for w in ws)),
                                    scales=fn(*(w.scales for w in ws)),
@@ -462,6 +516,9 @@ def shard_weight(w, sharding: NamedSharding | None):
     spec = tuple(sharding.spec) + (None,) * (len(w.shape) - len(sharding.spec))
     k_axis, out_axes = spec[0], spec[1:]
     put = lambda a, *s: jax.device_put(a, NamedSharding(sharding.mesh, P(*s)))
+    if isinstance(w, Fp8BlockWeight):
+        raise ValueError("Block-scaled FP8 weights run on one device (the loader requantises "
+                         "them per channel for a mesh).")
     if isinstance(w, Fp8Weight):  # the scale is per output channel: replicated over a K split
         return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes))
     if isinstance(w, Fp8Experts):  # [E, K, N]: the scale [E, N] split as E and N are
