@@ -51,6 +51,8 @@ POOLING_MODEL = dict(architectures=["BertModel"], model_type="bert", vocab_size=
 GPTQ_MODEL = "llama-tiny-gptq"
 # The same tiny Llama as a compressed-tensors FP8 checkpoint with static per-layer KV scales.
 FP8_KV_MODEL = "llama-tiny-fp8-kv-scales"
+# ... and as a block-wise FP8 checkpoint (128 x 128 blocks: the block-scaled kernel's groups).
+FP8_BLOCK_MODEL = "llama-tiny-fp8-block"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
@@ -140,6 +142,12 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     cases += [Case(FP8_KV_MODEL, "bfloat16", 2048, 16, seqs, backend, kv_cache_dtype="fp8",
                    quantization="compressed-tensors")
               for seqs in (1, 8) for backend in ("pallas", "xla")]
+    # a block-wise FP8 checkpoint: the block-scaled kernel, decode (K split) and prefill tiles
+    cases += [Case(FP8_BLOCK_MODEL, dtype, length, block, seqs, backend, quantization="fp8")
+              for dtype, length, block, seqs in (("bfloat16", 2048, 16, 1),
+                                                 ("bfloat16", 2048, 16, 8),
+                                                 ("float16", 777, 32, 2))
+              for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", eagle=True) for seqs in (1, 8)]
@@ -190,6 +198,8 @@ def cpu_matrix() -> list[Case]:
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=1,
                  backend="xla", kv_cache_dtype="fp8", quantization="compressed-tensors",
                  **{**small, "model": FP8_KV_MODEL}),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=1,
+                 backend="xla", quantization="fp8", **{**small, "model": FP8_BLOCK_MODEL}),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=8, backend="xla", pooling=True, enforce_eager=True),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
@@ -202,7 +212,8 @@ def cpu_matrix() -> list[Case]:
 def prompts_for(case: Case) -> list[list[int]]:
     """Three prompts, the last near max_model_len, ids clear of the special ones."""
     lengths = (5, 60, min(400, case.max_model_len - 16))
-    span = 360 if case.model in (GPTQ_MODEL, FP8_KV_MODEL) else 4000  # the tiny tokenizer's ids
+    written = (GPTQ_MODEL, FP8_KV_MODEL, FP8_BLOCK_MODEL)
+    span = 360 if case.model in written else 4000  # the tiny tokenizer's ids
     return [[3 + (7 * i + 11 * n) % span for i in range(n)] for n in lengths]
 
 
@@ -214,7 +225,8 @@ def run_case(case: Case) -> dict:
         return _run_pooling_case(case)
     start = time.perf_counter()
     lora_kwargs, adapter = _lora(case)
-    written = {GPTQ_MODEL: _tiny_gptq_dir, FP8_KV_MODEL: _tiny_fp8_kv_dir}.get(case.model)
+    written = {GPTQ_MODEL: _tiny_gptq_dir, FP8_KV_MODEL: _tiny_fp8_kv_dir,
+               FP8_BLOCK_MODEL: _tiny_fp8_block_dir}.get(case.model)
     model, load_format = (written(), "auto") if written else (case.model, "dummy")
     llm = LLM(model=model, load_format=load_format, dtype=case.dtype,
               max_model_len=case.max_model_len, block_size=case.block_size,
@@ -272,6 +284,15 @@ def _tiny_fp8_kv_dir() -> str:
               for layer in range(tests.TINY_CONFIGS["llama"]["num_hidden_layers"])}
     return tests.write_fp8_kv_scaled(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_fp8_kv"),
                                      scales)
+
+
+def _tiny_fp8_block_dir() -> str:
+    import tempfile
+
+    from jaxllm.loader.fp8_writer import write_fp8
+    return write_fp8(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_fp8_block"),
+                     {"quant_method": "fp8", "activation_scheme": "dynamic",
+                      "weight_block_size": [128, 128]})
 
 
 def _run_pooling_case(case: Case) -> dict:

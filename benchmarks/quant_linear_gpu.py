@@ -7,11 +7,15 @@ docs/lab/2026-12-01-session9.md).
     python benchmarks/quant_linear_gpu.py --out DIR --cpu    # tiny shapes, to test the script
 
 Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672,
-down 14336 -> 4096. Tokens T: 1, 8, 16 (the engine's smallest bucket: batch-1 decode), 32, 128.
+down 14336 -> 4096. Tokens T: 1, 8, 16 (the engine's smallest bucket: batch-1 decode), 32, 128,
+2048 (a prefill bucket).
 Kinds:
 - bf16: x @ w;
 - fp8 W8A8: x quantised per token, one FP8 x FP8 dot (cuBLAS), both scales (models/quant.py);
-- int4: pallas_kernels/quant_matmul.py on random packed weights, group 128.
+- int4: pallas_kernels/quant_matmul.py on random packed weights, group 128;
+- fp8 block: a block-wise checkpoint's weight (128 x 128 blocks): x quantised per token and
+  group of 128, pallas_kernels/fp8_block_matmul.py (models/quant.py); its rows also carry the
+  relative error of the first call's output against the kernel's jnp reference.
 Then a sweep of block_n x num_warps for the int4 kernel at T 1 and 8 on gate_up and down.
 
 Timing: a jitted program calls the projection once on each of several weight copies (together
@@ -46,17 +50,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.models import quant  # noqa: E402
-from pallas_kernels import quant_matmul  # noqa: E402
+from pallas_kernels import fp8_block_matmul, quant_matmul  # noqa: E402
 from pallas_kernels.ceilings import measure_ceilings  # noqa: E402
 from profile_decode import annotated_gpu_events  # noqa: E402
 
 SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                   "down": (14336, 4096)},
           "cpu": {"qkv": (256, 384), "down": (512, 256)}}
-TOKENS = {"gpu": (1, 8, 16, 32, 128), "cpu": (1, 8)}
-KINDS = ("bf16", "fp8 W8A8", "int4")
+TOKENS = {"gpu": (1, 8, 16, 32, 128, 2048), "cpu": (1, 8)}
+KINDS = ("bf16", "fp8 W8A8", "int4", "fp8 block")
 PALLAS = {"int4": quant_matmul.int4_matmul}
-STORAGE = {"bf16": "bf16", "fp8 W8A8": "fp8", "int4": "int4"}
+STORAGE = {"bf16": "bf16", "fp8 W8A8": "fp8", "int4": "int4", "fp8 block": "fp8-block"}
 SWEEP = {"gpu": dict(block_n=(64, 128, 256), num_warps=(4, 8), tokens=(1, 8),
                      shapes=("gate_up", "down")),
          "cpu": dict(block_n=(32, 64), num_warps=(4,), tokens=(1,), shapes=("down",))}
@@ -73,7 +77,8 @@ def default_tiles(kind: str, tokens: int, k: int, n: int) -> dict:
 
 
 def weight_bytes(storage: str, k: int, n: int) -> float:
-    return k * n * {"bf16": 2.0, "fp8": 1.0, "int4": 0.5 + 3 / GROUP}[storage]
+    return k * n * {"bf16": 2.0, "fp8": 1.0, "int4": 0.5 + 3 / GROUP,
+                    "fp8-block": 1.0 + 4 / GROUP}[storage]
 
 
 def make_weights(storage: str, k: int, n: int, copies: int, key) -> list:
@@ -88,6 +93,11 @@ def make_weights(storage: str, k: int, n: int, copies: int, key) -> list:
                         jnp.full((k // GROUP, n), 8, jnp.uint8)))
             continue
         w = (0.02 * jax.random.normal(sub, (k, n), jnp.float32)).astype(jnp.bfloat16)
+        if storage == "fp8-block":  # the channel scales, varied per group
+            fp8 = quant.quantize_fp8(w)
+            groups = jax.random.uniform(sub, (n, k // GROUP), jnp.float32, 0.5, 2.0)
+            out.append(quant.Fp8BlockWeight(fp8.values, fp8.scale[:, None] * groups, GROUP))
+            continue
         out.append(w if storage == "bf16" else quant.quantize_fp8(w))
     return out
 
@@ -99,6 +109,8 @@ def projection(kind: str, interpret: bool, tiles: dict):
         return lambda x, w: x @ w
     if kind == "fp8 W8A8":
         return quant._fp8_w8a8
+    if kind == "fp8 block":
+        return quant.linear
     return lambda x, w: quant_matmul.int4_matmul(x, *w, interpret=interpret, **tiles)
 
 
@@ -195,6 +207,22 @@ def row(p: dict, times: dict, index: int, ceilings, shapes) -> dict:
             "kernels_per_call": runs[0]["kernels"] / p["calls"], "calls": p["calls"]}
 
 
+def block_errors(programs: list[dict], args_of) -> dict[int, float]:
+    """Program index -> the relative error of an fp8 block program's first output against the
+    kernel's jnp reference (fp32) on the same quantised x."""
+    out = {}
+    for i, p in enumerate(programs):
+        if p["kind"] != "fp8 block" or "compiled" not in p:
+            continue
+        x, ws = args_of(p)
+        got = p["compiled"](x, ws)[0].astype(jnp.float32)
+        xq, x_scale = quant.quantize_fp8_groups(x, GROUP)
+        want = fp8_block_matmul.fp8_block_matmul_reference(xq, x_scale, ws[0].values,
+                                                           ws[0].scale, GROUP, jnp.float32)
+        out[i] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    return out
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| proj | T | " + " | ".join(f"{k} us (% floor)" for k in KINDS) + " |",
              "|" + " --- |" * (2 + len(KINDS))]
@@ -247,7 +275,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as trace_dir:
         trace_runs(programs, args_of, trace_dir)
         times = run_times(trace_dir)
-    rows = [row(p, times, i, ceilings, shapes) for i, p in enumerate(programs)]
+    errors = block_errors(programs, args_of)
+    rows = [{**row(p, times, i, ceilings, shapes),
+             **({"rel_err": errors[i]} if i in errors else {})} for i, p in enumerate(programs)]
     for r in rows:
         print(json.dumps(r), flush=True)
     summary = {"device": ceilings.device, "ceilings": ceilings.as_dict(),

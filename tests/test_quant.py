@@ -320,11 +320,10 @@ def test_block_fp8_checkpoint_runs_block_scaled(tiny_llama_dir, tmp_path):
                               block)
     np.testing.assert_array_equal(np.asarray(dequantize(down)).T, exact)
 
-    params = fuse_params(quant.params, quant.args.num_kv_heads)
-    got = logits_of(quant, params, PROMPT)
+    got = logits_of(quant, fuse_params(quant.params, quant.args.num_kv_heads), PROMPT)
     plain = jax.tree.map(lambda w: dequantize(w) if isinstance(w, Fp8BlockWeight) else w,
-                         params, is_leaf=lambda w: isinstance(w, Fp8BlockWeight))
-    stored_weights = logits_of(quant, plain, PROMPT)
+                         quant.params, is_leaf=lambda w: isinstance(w, Fp8BlockWeight))
+    stored_weights = logits_of(quant, fuse_params(plain, quant.args.num_kv_heads), PROMPT)
     requantised = jax.tree.map(
         lambda w: requantize_blocks(np.asarray(w.values), np.asarray(w.scale)[::block[0]],
                                     block) if isinstance(w, Fp8BlockWeight) else w,
@@ -334,6 +333,22 @@ def test_block_fp8_checkpoint_runs_block_scaled(tiny_llama_dir, tmp_path):
     base = load_model(tiny_llama_dir, "float32")
     want = logits_of(base, fuse_params(base.params, base.args.num_kv_heads), PROMPT)
     assert rel(got, want) < 0.15  # the dense model's FP8 tolerance
+
+
+def test_block_fp8_kept_only_where_each_device_holds_whole_groups():
+    """A block-wise linear keeps its blocks where the kernel takes its groups (32 rows of K or
+    more) and a K split leaves whole groups on each device; else it is requantised (the TP runs
+    of block-scaled weights: tests/test_quant_tp.py)."""
+    from types import SimpleNamespace
+
+    from jaxllm.loader.quant_checkpoint import keeps_blocks
+    split = lambda ways: SimpleNamespace(spec=("tensor", None),  # noqa: E731
+                                         mesh=SimpleNamespace(shape={"tensor": ways}))
+    assert keeps_blocks((128, 128), 4096, None) and keeps_blocks((16, 32), 40, None)
+    assert keeps_blocks((128, 128), 14336, split(8))  # 1,792 rows a device: 14 groups
+    assert not keeps_blocks((16, 32), 40, split(2))  # 20 rows a device
+    assert not keeps_blocks((16, 16), 64, None)  # groups under the FP8 dot's K
+    assert not keeps_blocks(None, 64, None)
 
 
 def test_block_fp8_checkpoint_requantised_where_blocks_cannot_run(tmp_path):

@@ -1,5 +1,6 @@
 """Quantised models with tensor parallelism: FP8 (quantised at load, with and without an FP8 KV
-cache, an fp8 checkpoint, and a block-wise MoE one at TP=2 and EP=2), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
+cache, an fp8 checkpoint, a block-wise one at TP=2 (block-scaled per device), and a block-wise
+MoE one at TP=2 and EP=2), GPTQ (act order) and AWQ checkpoints give at TP=2 and TP=4 the greedy tokens and
 logprobs of the same quantised model on one device; the int4 K-split layout against the
 unsplit one; the refusals.
 
@@ -41,6 +42,7 @@ RUNS = {  # model -> [(name, engine kwargs)]; the first of each is the one-devic
              ("tp4", dict(tensor_parallel_size=4))],
     "awq": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
             ("tp4", dict(tensor_parallel_size=4))],
+    "fp8_block_checkpoint": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2))],
     "fp8_moe_checkpoint": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
                            ("ep2", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
 }
@@ -94,6 +96,9 @@ def write_fp8(model_dir: str, out_dir: str, block: list[int] | None = None) -> s
 
 
 # -- the child: every run on 4 devices ------------------------------------------------------
+KINDS = {}  # (model dir, run) -> the class (and partition) of layer 0's o projection
+
+
 def _generate(model_dir: str, runs, max_token_id: int = 300, **common) -> dict:
     from jaxllm import LLM, SamplingParams
 
@@ -106,6 +111,8 @@ def _generate(model_dir: str, runs, max_token_id: int = 300, **common) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[name] = [[(t, entry[t].logprob) for t, entry in
                           zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+        wo = llm.llm_engine.runner.params["layers"][0]["wo"]
+        KINDS[model_dir, name] = f"{type(wo).__name__}{list(getattr(wo, 'partition', ()))}"
     return results
 
 
@@ -126,7 +133,7 @@ def _step_collectives(model_dir: str, **kwargs) -> dict[str, int]:
     return {k: kinds.count(k) for k in sorted(set(kinds))}
 
 
-def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str,
+def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str, fp8_block_dir: str,
                 fp8_moe_dir: str) -> None:
     import jax
 
@@ -142,13 +149,16 @@ def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str,
         "fp8_checkpoint": _generate(fp8_dir, RUNS["fp8_checkpoint"]),
         "gptq": _generate(gptq_dir, RUNS["gptq"]),
         "awq": _generate(awq_dir, RUNS["awq"]),
+        "fp8_block_checkpoint": _generate(fp8_block_dir, RUNS["fp8_block_checkpoint"]),
         "fp8_moe_checkpoint": _generate(fp8_moe_dir, RUNS["fp8_moe_checkpoint"],
                                         max_token_id=90),
     }
     collectives = {"plain": _step_collectives(llama_dir),
                    "fp8": _step_collectives(llama_dir, quantization="fp8"),
                    "awq": _step_collectives(awq_dir), "gptq": _step_collectives(gptq_dir)}
-    print(json.dumps({"results": results, "collectives": collectives}))
+    block_kinds = [KINDS[fp8_block_dir, name] for name, _ in RUNS["fp8_block_checkpoint"]]
+    print(json.dumps({"results": results, "collectives": collectives,
+                      "block_kinds": block_kinds}))
 
 
 def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path):
@@ -162,10 +172,15 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
     fp8 = write_fp8(tiny_llama_dir, str(tmp_path / "fp8"))
+    # 32-row groups: TP=2 leaves whole groups of o's and down's K on each device
+    fp8_block = write_fp8(tiny_llama_dir, str(tmp_path / "fp8_block"), block=[16, 32])
     from test_moe import save_tiny_moe
+    # block-wise with 16-row groups: requantised per channel (the dense MLP's K of 40 would
+    # not split into whole 32-row groups at TP=2)
     fp8_moe = write_fp8(save_tiny_moe("qwen3_moe", str(tmp_path / "moe"), seed=2),
-                        str(tmp_path / "fp8_moe"), block=[16, 32])  # block-wise: requantised
-    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, fp8, gptq, awq, fp8_moe],
+                        str(tmp_path / "fp8_moe"), block=[16, 16])
+    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, fp8, gptq, awq, fp8_block,
+                           fp8_moe],
                           env=env,
                           capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -179,6 +194,8 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
                 assert [t for t, _ in got] == [t for t, _ in want], f"{model} {name}"
                 np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want],
                                            rtol=0, atol=LOGPROB_ATOL, err_msg=f"{model} {name}")
+    # the block-wise checkpoint runs block-scaled on one device and split by rows at TP=2
+    assert out["block_kinds"] == ["Fp8BlockWeight[]", "Fp8BlockWeight['tensor', None]"]
     collectives = out["collectives"]
     # Every quantised array is split as its plain weight, so no weight is gathered: the only
     # all-gather is the logits' (vocab-parallel LM head), as in the plain model; act order (GPTQ

@@ -8,9 +8,9 @@ Formats, as their writers define them (HF weights are [out, in] = [N, K]):
       experts are linears of their own (`experts.{e}.gate_proj` ...), stacked after reading.
       Block-wise (fp8's `weight_block_size` [bn, bk] with `weight_scale_inv`, compressed-tensors'
       `block` strategy with `weight_scale`): scales [cdiv(N, bn), cdiv(K, bk)], w = values times
-      its block's scale. Kept as they are (Fp8BlockWeight: the block-scaled kernel) on one
-      device; MoE experts, a mesh and blocks of fewer than 32 K rows are requantised per output
-      channel (one more float8 rounding: the accuracy table in docs/quantization.md).
+      its block's scale. Kept as they are (Fp8BlockWeight: the block-scaled kernel); MoE
+      experts, blocks of fewer than 32 K rows and K splits off block boundaries are
+      requantised per output channel (one more float8 rounding: docs/quantization.md).
   gptq: `qweight` [K / 8, N] int32, nibble i of word r = row 8r + i; `qzeros` [K / g, N / 8]
       int32, nibble i of word c = column 8c + i, stored minus one (GPTQ's v1 format);
       `scales` [K / g, N]; `g_idx` [K]: the group of each input row (act order permutes it).
@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding
 from jaxllm.models import ModelArgs
 from jaxllm.loader.hf_names import map_hf_name, split_expert_path
 from jaxllm.models.quant import (BLOCK_MIN_GROUP, INT4_CHUNK_ROWS, Fp8BlockWeight, Fp8Experts,
-                                 Fp8Weight, Int4Weight, k_shards_of, pack_int4, quantize_fp8,
-                                 shard_weight)
+                                 Fp8Weight, Int4Weight, block_split_fits, k_shards_of, pack_int4,
+                                 quantize_fp8, shard_weight)
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dty
     models/quant.shard_weight; None: the default device)."""
     if "weight" in tensors:
         block = fp8_block_size(qconfig)
-        return shard_weight(_fp8_weight(tensors, block, keep_blocks=keeps_blocks(block, sharding)),
-                            sharding)
+        keep = keeps_blocks(block, tensors["weight"].shape[1], sharding)
+        return shard_weight(_fp8_weight(tensors, block, keep_blocks=keep), sharding)
     if method == "gptq":
         q, zeros, scales, g_idx = unpack_gptq(tensors, qconfig)
     else:
@@ -166,10 +166,11 @@ def fp8_block_size(qconfig: dict) -> tuple[int, int] | None:
     return None
 
 
-def keeps_blocks(block: tuple[int, int] | None, sharding: NamedSharding | None) -> bool:
-    """Whether a dense linear with these block scales runs block-scaled: on one device (no
-    placement) and blocks the kernel takes."""
-    return block is not None and sharding is None and block[1] % BLOCK_MIN_GROUP == 0
+def keeps_blocks(block: tuple[int, int] | None, k: int, sharding: NamedSharding | None) -> bool:
+    """Whether a dense linear of K inputs with these block scales runs block-scaled: blocks the
+    kernel takes, and whole blocks on each device of a K split."""
+    return (block is not None and block[1] % BLOCK_MIN_GROUP == 0
+            and block_split_fits(k, block[1], sharding))
 
 
 def _fp8_weight(tensors: dict[str, np.ndarray], block: tuple[int, int] | None,
@@ -303,18 +304,20 @@ class QuantizedLinears:
     def _log_blocks(self, block: tuple[int, int] | None, shardings) -> None:
         if block is None:
             return
-        names = [f"{base}.weight" for base, t in self.tensors.items() if "weight" in t]
+        ks = {f"{base}.weight": t["weight"].shape[1] for base, t in self.tensors.items()
+              if "weight" in t}
         expert = lambda name: split_expert_path(map_hf_name(name)[0])[1] is not None
-        requantised = [name for name in names
-                       if expert(name) or not keeps_blocks(block, shardings(name))]
+        requantised = [name for name, k in ks.items()
+                       if expert(name) or not keeps_blocks(block, k, shardings(name))]
         if not requantised:
             logger.info("Block-wise FP8 scales (block %s): block-scaled FP8 kernels, activations "
                         "quantised per token and group of %d.", list(block), block[1])
             return
-        logger.warning("Block-wise FP8 scales (block %s): %d of %d linears (MoE experts, on a "
-                       "mesh, or blocks under %d rows of K) requantised per output channel at "
-                       "load: one more float8 rounding (its cost: docs/quantization.md).",
-                       list(block), len(requantised), len(names), BLOCK_MIN_GROUP)
+        logger.warning("Block-wise FP8 scales (block %s): %d of %d linears (MoE experts, "
+                       "blocks under %d rows of K, or K split off block boundaries) "
+                       "requantised per output channel at load: one more float8 rounding (its "
+                       "cost: docs/quantization.md).", list(block), len(requantised), len(ks),
+                       BLOCK_MIN_GROUP)
 
     def weights(self, shardings: Callable[[str], NamedSharding | None]):
         """Yields (checkpoint name of the linear's weight, quantised weight) for each linear,

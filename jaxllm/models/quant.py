@@ -11,7 +11,7 @@ A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one o
              scale (block-wise checkpoints: a block's scale repeated over its rows of output
              channels): w[k, o] = values[o, k] * scale[o, k // group]. W8A8 with the activations
              quantised per token and group, in the block-scaled kernel
-             (pallas_kernels/fp8_block_matmul.py) on one device.
+             (pallas_kernels/fp8_block_matmul.py), per device on a mesh (as int4).
   Fp8Experts values [E, K, N] float8_e4m3fn, scale [E, N] float32: an MoE layer's experts, each
              per output channel; W8A16 in the grouped matmul (a tile cast after its load, the
              accumulator scaled), the experts' own [E, K, N] layout kept.
@@ -75,6 +75,8 @@ class Fp8BlockWeight:
     values: jax.Array  # [*out, K] float8_e4m3fn
     scale: jax.Array  # [*out, cdiv(K, group)] float32
     group: int = field(default=128, metadata=dict(static=True))  # K rows a scale
+    # the plain [K, *out] weight's PartitionSpec entries when placed on a mesh, else ()
+    partition: tuple = field(default=(), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -144,18 +146,34 @@ def _fp8_linear(x: jax.Array, w: Fp8Weight, unscaled: bool = False):
 
 
 def _fp8_block_linear(x: jax.Array, w: Fp8BlockWeight) -> jax.Array:
-    """x [T, K] quantised per token and group, times w's blocks (the kernel on one GPU, its
-    reference elsewhere) -> [T, *out] in x's dtype; w's output axes flattened for it."""
-    xq, x_scale = quantize_fp8_groups(x, w.group)
-    values = w.values.reshape(-1, w.values.shape[-1])
-    scale = w.scale.reshape(-1, w.scale.shape[-1])
-    if jax.default_backend() == "gpu" and on_one_device():
-        y = fp8_block_matmul.fp8_block_matmul(xq, x_scale, values, scale, group=w.group,
+    """x [T, K] @ w -> [T, *out]: on a mesh each device's rows and columns (shard_map, as int4:
+    a K split holds whole groups, so x's group scales are the same), summed over a K split."""
+    if not w.partition:
+        return _fp8_block_local(x, w.values, w.scale, w.group)
+    k_axis, out_axes = w.partition[0], w.partition[1:]
+
+    def local(x, values, scale):
+        y = _fp8_block_local(x, values, scale, w.group)
+        return y if k_axis is None else jax.lax.psum(y, k_axis)
+
+    spec = P(*out_axes, k_axis)
+    return jax.shard_map(local, in_specs=(P(None, k_axis), spec, spec),
+                         out_specs=P(None, *out_axes), check_vma=False)(x, w.values, w.scale)
+
+
+def _fp8_block_local(x, values, scale, group: int) -> jax.Array:
+    """x [T, K] quantised per token and group, times values [*out, K] and scale [*out, G] (the
+    kernel on a GPU, its reference elsewhere) -> [T, *out] in x's dtype."""
+    xq, x_scale = quantize_fp8_groups(x, group)
+    flat_values = values.reshape(-1, values.shape[-1])
+    flat_scale = scale.reshape(-1, scale.shape[-1])
+    if jax.default_backend() == "gpu":
+        y = fp8_block_matmul.fp8_block_matmul(xq, x_scale, flat_values, flat_scale, group=group,
                                               out_dtype=x.dtype)
     else:
-        y = fp8_block_matmul.fp8_block_matmul_reference(xq, x_scale, values, scale, w.group,
-                                                        x.dtype)
-    return y.reshape(x.shape[0], *w.values.shape[:-1])
+        y = fp8_block_matmul.fp8_block_matmul_reference(xq, x_scale, flat_values, flat_scale,
+                                                        group, x.dtype)
+    return y.reshape(x.shape[0], *values.shape[:-1])
 
 
 def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0, *,
@@ -506,6 +524,13 @@ def k_shards_of(sharding: NamedSharding | None) -> int:
     return math.prod(sharding.mesh.shape[name] for name in names)
 
 
+def block_split_fits(k: int, group: int, sharding: NamedSharding | None) -> bool:
+    """Whether a block-scaled weight's K (groups of `group` rows) splits into whole groups per
+    device under the plain matrix's sharding."""
+    shards = k_shards_of(sharding)
+    return shards == 1 or k % (shards * group) == 0
+
+
 def shard_weight(w, sharding: NamedSharding | None):
     """Places a weight (its arrays on host or device) per the sharding of the plain [K, *out]
     matrix it stands for; None: the default device."""
@@ -516,9 +541,13 @@ def shard_weight(w, sharding: NamedSharding | None):
     spec = tuple(sharding.spec) + (None,) * (len(w.shape) - len(sharding.spec))
     k_axis, out_axes = spec[0], spec[1:]
     put = lambda a, *s: jax.device_put(a, NamedSharding(sharding.mesh, P(*s)))
-    if isinstance(w, Fp8BlockWeight):
-        raise ValueError("Block-scaled FP8 weights run on one device (the loader requantises "
-                         "them per channel for a mesh).")
+    if isinstance(w, Fp8BlockWeight):  # the scale's groups split as K is
+        if not block_split_fits(w.shape[0], w.group, sharding):
+            raise ValueError(f"A block-scaled FP8 weight (K={w.shape[0]}, groups of {w.group}) "
+                             f"cannot be split {k_shards_of(sharding)} ways along K "
+                             f"({sharding.spec}): a device's K must hold whole groups.")
+        return Fp8BlockWeight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes, k_axis),
+                              w.group, spec if any(a is not None for a in spec) else ())
     if isinstance(w, Fp8Weight):  # the scale is per output channel: replicated over a K split
         return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes))
     if isinstance(w, Fp8Experts):  # [E, K, N]: the scale [E, N] split as E and N are
