@@ -15,11 +15,12 @@ the values through whatever acts on output axes (q/k/v concatenated, gate/up sta
 split across devices); at group 128 they cost 4 / 128 bytes a weight.
 
 Programs: (M tile, N tile, K split), one group per loop step: an FP8 dot [BM, group] x
-[group, BN] into fp32, times the tile's x scales (a column) and w scales (a row), added to the
-accumulator. At decode the M x N tiles are too few programs to stream the weight at full
-bandwidth, so K is split into ranges of whole groups whose fp32 partial products the wrapper
-sums (quant_matmul's splits); a single split writes out_dtype directly. Loads past M, N or K read
-0 (a partial last group), every store is masked.
+[group, BN] on the FP8 tensor cores (triton_fp8_dot: summed in the tensor core's accumulator
+over the group, then promoted), times the tile's x scales (a column) and w scales (a row),
+added to the fp32 accumulator. At decode the M x N tiles are too few programs to stream the
+weight at full bandwidth, so K is split into ranges of whole groups whose fp32 partial products
+the wrapper sums (quant_matmul's splits); a single split writes out_dtype directly. Loads past
+M, N or K read 0 (a partial last group), every store is masked.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import triton_fp8_dot
 from pallas_kernels.quant_matmul import num_k_splits
 from pallas_kernels.split_sum import sum_splits
+
+triton_fp8_dot.install()  # the FP8 dots on wgmma, not on fp16 mma.sync
 
 FP8 = jnp.float8_e4m3fn
 MIN_GROUP = 32  # the K of one FP8 tensor-core product (wgmma)

@@ -102,11 +102,56 @@ def test_block_linear_is_the_stored_weight_times_grouped_activations():
     assert np.abs(np.asarray(got) - exact).max() < 0.05 * np.abs(exact).max()
 
 
+def triton_ir_dots(fn, *args) -> list[str]:
+    """The tt.dot lines of the Triton modules that lowering fn(*args) for an H200 makes."""
+    from jax._src.pallas.triton import lowering
+    modules = []
+    lower_module = lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **kw):
+        result = lower_module(*a, **kw)
+        modules.append(str(result.module))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        lower_for_h200(fn, *args)
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower_module
+    return [line for module in modules for line in module.splitlines() if "tt.dot" in line]
+
+
 @pytest.mark.parametrize("m", [1, 2048])
-def test_kernel_lowers_for_h200(m):
+def test_kernel_lowers_for_h200_with_fp8_accumulation(m):
+    """CUDA lowering, and each float8 dot allowed the tensor core's accumulator over its K
+    (the group), without which Triton runs it as fp16 mma.sync (triton_fp8_dot.py)."""
     k, n, group = 4096, 6144, 128
     sds = jax.ShapeDtypeStruct
     args = (sds((m, k), FP8), sds((m, k // group), jnp.float32), sds((n, k), FP8),
             sds((n, k // group), jnp.float32))
-    text = lower_for_h200(functools.partial(fp8_block_matmul, group=group), *args)
-    assert "fp8_block_matmul" in text
+    dots = triton_ir_dots(functools.partial(fp8_block_matmul, group=group), *args)
+    assert dots and all(f"maxNumImpreciseAcc = {group}" in d and "f8E4M3FN" in d
+                        for d in dots), dots
+
+
+def test_fp8_accumulation_leaves_16_bit_dots_alone():
+    """The installed builder adds the setting to float8 dots only, and installing twice wraps
+    once."""
+    from jax._src.pallas.triton import lowering
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    from pallas_kernels import triton_fp8_dot
+    triton_fp8_dot.install()
+    dot = lowering.tt_dialect.dot
+    assert dot.wraps_fp8_accumulation and not hasattr(dot.__wrapped__, "wraps_fp8_accumulation")
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = pltriton.dot(x_ref[...], w_ref[...])
+
+    def bf16_dot(x, w):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32))(x, w)
+
+    sds = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    dots = triton_ir_dots(bf16_dot, sds, sds)
+    assert dots and not any("maxNumImpreciseAcc = 64" in d for d in dots), dots
