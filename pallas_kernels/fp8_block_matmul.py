@@ -42,12 +42,18 @@ FP8 = jnp.float8_e4m3fn
 MIN_GROUP = 32  # the K of one FP8 tensor-core product (wgmma)
 
 
+def group_scales(scale: jax.Array, group: int, k: int) -> jax.Array:
+    """scale [..., G] -> [..., K]: each element's group's scale (the last group may be
+    partial)."""
+    return jnp.repeat(scale, group, axis=-1)[..., :k]
+
+
 def fp8_block_matmul_reference(x, x_scale, w, w_scale, group: int,
                                out_dtype=jnp.bfloat16) -> jax.Array:
     """The contract, in fp32: both operands dequantised by their group scales, then one dot."""
-    expand = lambda s: jnp.repeat(s, group, axis=1)[:, :x.shape[1]]  # [R, G] -> [R, K]
-    xd = x.astype(jnp.float32) * expand(x_scale)
-    wd = w.astype(jnp.float32) * expand(w_scale)
+    k = x.shape[1]
+    xd = x.astype(jnp.float32) * group_scales(x_scale, group, k)
+    wd = w.astype(jnp.float32) * group_scales(w_scale, group, k)
     return jnp.dot(xd, wd.T, precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
 
 

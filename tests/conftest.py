@@ -174,11 +174,12 @@ def h200_mesh(tensor: int = 0):
         device_kind="NVIDIA H200", platform="gpu", num_cores=132))
 
 
-def lower_for_h200(fn, *args, mesh=None):
+def lower_for_h200(fn, *args, mesh=None, triton_modules: list | None = None):
     """Lowers `fn(*args)` (ShapeDtypeStructs) for CUDA on this CPU machine, under an abstract
     H200 (or `mesh`, from h200_mesh), and runs MLIR's verifier on every Triton module a Pallas
     kernel produces: the GPU's Triton compiler rejects a module that fails it (e.g. an scf.for
-    whose bounds differ in type), which lowering alone never checks."""
+    whose bounds differ in type), which lowering alone never checks. triton_modules: a list
+    that gets each such module's text."""
     import jax
     from jax._src.pallas.triton import lowering
 
@@ -187,6 +188,8 @@ def lower_for_h200(fn, *args, mesh=None):
     def lower_and_verify(*a, **kw):
         result = lower_module(*a, **kw)
         result.module.operation.verify()  # raises with the failing op
+        if triton_modules is not None:
+            triton_modules.append(str(result.module))
         return result
 
     mesh = h200_mesh() if mesh is None else mesh

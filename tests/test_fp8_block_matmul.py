@@ -104,20 +104,8 @@ def test_block_linear_is_the_stored_weight_times_grouped_activations():
 
 def triton_ir_dots(fn, *args) -> list[str]:
     """The tt.dot lines of the Triton modules that lowering fn(*args) for an H200 makes."""
-    from jax._src.pallas.triton import lowering
     modules = []
-    lower_module = lowering.lower_jaxpr_to_triton_module
-
-    def keep(*a, **kw):
-        result = lower_module(*a, **kw)
-        modules.append(str(result.module))
-        return result
-
-    lowering.lower_jaxpr_to_triton_module = keep
-    try:
-        lower_for_h200(fn, *args)
-    finally:
-        lowering.lower_jaxpr_to_triton_module = lower_module
+    lower_for_h200(fn, *args, triton_modules=modules)
     return [line for module in modules for line in module.splitlines() if "tt.dot" in line]
 
 

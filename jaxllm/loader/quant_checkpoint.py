@@ -301,14 +301,10 @@ class QuantizedLinears:
         self.tensors.setdefault(base, {})[suffix] = host
         return True
 
-    def _log_blocks(self, block: tuple[int, int] | None, shardings) -> None:
-        if block is None:
-            return
-        ks = {f"{base}.weight": t["weight"].shape[1] for base, t in self.tensors.items()
-              if "weight" in t}
-        expert = lambda name: split_expert_path(map_hf_name(name)[0])[1] is not None
-        requantised = [name for name, k in ks.items()
-                       if expert(name) or not keeps_blocks(block, k, shardings(name))]
+    @staticmethod
+    def _log_blocks(block: tuple[int, int], kinds: list[type]) -> None:
+        """The start-up log of how a block-wise checkpoint's linears (their loaded kinds) run."""
+        requantised = sum(kind is not Fp8BlockWeight for kind in kinds)
         if not requantised:
             logger.info("Block-wise FP8 scales (block %s): block-scaled FP8 kernels, activations "
                         "quantised per token and group of %d.", list(block), block[1])
@@ -316,7 +312,7 @@ class QuantizedLinears:
         logger.warning("Block-wise FP8 scales (block %s): %d of %d linears (MoE experts, "
                        "blocks under %d rows of K, or K split off block boundaries) "
                        "requantised per output channel at load: one more float8 rounding (its "
-                       "cost: docs/quantization.md).", list(block), len(requantised), len(ks),
+                       "cost: docs/quantization.md).", list(block), requantised, len(kinds),
                        BLOCK_MIN_GROUP)
 
     def weights(self, shardings: Callable[[str], NamedSharding | None]):
@@ -324,19 +320,23 @@ class QuantizedLinears:
         placed per shardings(checkpoint name of the weight); an MoE expert's FP8 weight is left
         unplaced, for stack_fp8_experts."""
         block = fp8_block_size(self.qconfig)
-        self._log_blocks(block, shardings)
         if any("input_scale" in t for t in self.tensors.values()):
             logger.info("The checkpoint's static input scales are not used: activations are "
                         "quantised per token.")
+        kinds = []
         for base, tensors in self.tensors.items():
             if "weight" not in tensors and "qweight" not in tensors:
                 raise ValueError(f"Quantised linear {base} has {sorted(tensors)} but no weight.")
             name = f"{base}.weight"
             if "weight" in tensors and split_expert_path(map_hf_name(name)[0])[1] is not None:
-                yield name, _fp8_weight(tensors, block)
+                weight = _fp8_weight(tensors, block)
             else:
-                yield name, build_weight(self.method, tensors, self.qconfig, self.dtype,
-                                         shardings(name))
+                weight = build_weight(self.method, tensors, self.qconfig, self.dtype,
+                                      shardings(name))
+            kinds.append(type(weight))
+            yield name, weight
+        if block is not None:
+            self._log_blocks(block, kinds)
 
 
 def stack_fp8_experts(experts: list[Fp8Weight]) -> Fp8Experts:

@@ -481,8 +481,7 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
         values = jnp.moveaxis(w.values, -1, 0).astype(jnp.float32)
         return (values * value(w.scale)).astype(dtype)
     if isinstance(w, Fp8BlockWeight):
-        k = w.values.shape[-1]
-        scale = jnp.repeat(w.scale, w.group, axis=-1)[..., :k]  # [*out, K]
+        scale = fp8_block_matmul.group_scales(w.scale, w.group, w.values.shape[-1])
         return jnp.moveaxis(w.values.astype(jnp.float32) * scale, -1, 0).astype(dtype)
     if isinstance(w, Int4Weight):
         flat = lambda a: a.reshape(a.shape[0], -1)
