@@ -27,6 +27,15 @@ def test_kv_cache_fills_the_pool_less_weights_activations_and_headroom():
     assert budget.headroom == 9 * GIB and budget.kv_cache == 63 * GIB
 
 
+def test_a_small_model_in_a_small_pool_keeps_a_tenth_free():
+    """A tiny model at gpu_memory_utilization 0.1 of an 80 GiB device: the 8 GiB floor would
+    take the whole pool; the floor is capped at the weights and activations (the autotuner's
+    buffers are one GEMM's operands and result)."""
+    budget = kv_cache.kv_cache_budget(8 * GIB, GIB // 8, 0.1, GIB // 8, 0.1)
+    assert budget.headroom == int(0.8 * GIB)
+    assert budget.kv_cache == 8 * GIB - int(0.8 * GIB) - GIB // 4
+
+
 def test_a_pool_started_larger_than_asked_still_bounds_the_kv_cache_to_the_share():
     """jax started first with its default 0.75: the engine still uses only 0.4 of the device."""
     budget = kv_cache.kv_cache_budget(75 * GIB, 16 * GIB, 0.4, 2 * GIB, 0.75)

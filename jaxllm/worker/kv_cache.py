@@ -17,7 +17,9 @@ GiB = 1 << 30
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # a CPU has no device memory to measure
 # Of jax's pool, kept free whatever the share: XLA's autotuner takes its buffers from the pool
 # while warm-up compiles, after the KV cache is allocated; an 8B model's autotuning needs a
-# few GB of it.
+# few GB of it. Its buffers are one GEMM's operands and result, so a small model's need less
+# than its weights and activations: the floor is capped there, or a small pool (a tiny model
+# at a low gpu_memory_utilization) would leave the KV cache nothing.
 POOL_HEADROOM = 0.1
 MIN_HEADROOM_BYTES = 8 * GiB
 
@@ -117,7 +119,8 @@ def kv_cache_budget(bytes_limit: int, bytes_in_use: int, gpu_memory_utilization:
     engine could set it (device_memory.py). The KV cache gets the smaller of the share and the
     pool less its autotuning headroom, less what is in use and the activations."""
     device = int(bytes_limit / allocator_fraction)
-    headroom = max(int(bytes_limit * POOL_HEADROOM), MIN_HEADROOM_BYTES)
+    floor = min(MIN_HEADROOM_BYTES, bytes_in_use + activation_peak_bytes)
+    headroom = max(int(bytes_limit * POOL_HEADROOM), floor)
     usable = min(int(device * gpu_memory_utilization), bytes_limit - headroom)
     return DeviceMemoryBudget(gpu_memory_utilization, device, bytes_limit, bytes_in_use,
                               activation_peak_bytes, headroom,
