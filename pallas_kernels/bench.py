@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.ceilings import measure_ceilings, time_chain
-from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
+from pallas_kernels.kv_write import (rope_write_kv, rope_write_kv_reference, write_kv_pallas,
+                                     write_kv_reference)
 from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
@@ -223,7 +224,23 @@ def correctness(decode_tiles, prefill_tiles):
     same = all(bool(jnp.array_equal(g, w)) for g, w in zip(got, want))
     results.append({"case": "write_kv pallas == scatter", "rel_err": 0.0 if same else 1.0,
                     "ok": same})
+    for cache_dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        qkv = jax.random.normal(next(key), (100, 8, 6, 128), jnp.bfloat16)
+        cos, sin = rope_angles(next(key), 100, 128)
+        caches = tuple(c.astype(cache_dtype) for c in (k_cache, v_cache))
+        got = rope_write_kv(*caches, qkv, cos, sin, slots)
+        want = rope_write_kv_reference(*caches, qkv, cos, sin, slots)
+        err = max(rel_err(g, w) for g, w in zip(got, want))
+        results.append({"case": f"rope_write_kv {jnp.dtype(cache_dtype).name} pages",
+                        "rel_err": err, "ok": err < 1e-2})
     return results
+
+
+def rope_angles(key, num_tokens, head_dim):
+    """cos, sin [T, 1, D / 2] of random positions (a rope of base 500,000)."""
+    positions = jax.random.randint(key, (num_tokens, 1, 1), 0, 8192).astype(jnp.float32)
+    angles = positions * 500000.0 ** (-jnp.arange(head_dim // 2) / (head_dim // 2))
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def kv_bytes(kv_lens, heads, itemsize=2):
@@ -341,6 +358,17 @@ def kv_write_case(key, num_tokens, copy_GBps):
             return fn(*caches, kv, kv, slots[i].astype(jnp.int32))
         fresh = (jnp.copy(k_cache), jnp.copy(v_cache))
         row[f"{name}_us"] = time_chain(call, fresh, kv, donate=True) * 1e6
+    # from the fused QKV GEMM's output (an 8B's 4 query heads a KV head): q roped out, k roped
+    # and v into the caches, one kernel against XLA's (the scatters, k's rope inside, q's rope)
+    qkv = jax.random.normal(key, (num_tokens, 8, 6, 128), jnp.bfloat16)
+    cos, sin = rope_angles(key, num_tokens, 128)
+    row["rope_floor_us"] = 2 * qkv.nbytes / copy_GBps / 1e3  # read qkv; write q, k, v
+    for name, fn in {"rope_pallas": rope_write_kv, "rope_xla": rope_write_kv_reference}.items():
+        def call(state, i, qkv, fn=fn):  # state: the caches and the last q (kept live)
+            q, *caches = fn(*state[:2], qkv, cos, sin, slots[i].astype(jnp.int32))
+            return (*caches, q)
+        fresh = (jnp.copy(k_cache), jnp.copy(v_cache), jnp.zeros((num_tokens, 32, 128), qkv.dtype))
+        row[f"{name}_us"] = time_chain(call, fresh, qkv, donate=True) * 1e6
     return row
 
 
@@ -441,7 +469,7 @@ def main():
         rows.append(guarded(mixed_case, next(keys), ceil, pre_tiles))
         print(rows[-1], flush=True)
     if "kv_write" in sections:
-        for num_tokens in (64, 2048):
+        for num_tokens in (1, 64, 512, 2048):
             rows.append(guarded(kv_write_case, next(keys), num_tokens, ceil["copy_GBps"]))
             print(rows[-1], flush=True)
     save()

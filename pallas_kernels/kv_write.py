@@ -1,5 +1,9 @@
 """KV write: this step's new K/V scattered into their cache slots (slot = page * P + offset),
-per KV head: the cache is head-major, [N, Hkv, P, D] (ragged_paged_attention.py)."""
+per KV head: the cache is head-major, [N, Hkv, P, D] (ragged_paged_attention.py).
+
+The rope and KV write (`rope_write_kv`): from the fused QKV GEMM's output, q roped out and k
+roped and v into their slots, one kernel. Alone, XLA makes three of it (the K scatter with k's
+rope inside, the V scatter, q's rope), each a launch in a decode step of ~10 kernels a layer."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.stacked import check_stacked, prefix
 
 
 def to_cache(x: jax.Array, dtype, scale: float) -> jax.Array:
@@ -20,6 +26,14 @@ def to_cache(x: jax.Array, dtype, scale: float) -> jax.Array:
         limit = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -limit, limit)
     return x.astype(dtype)
+
+
+def rope_reference(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, D] rotated in HF's half-split layout (rotate_half) by cos, sin [T, 1, D / 2]
+    (float32), in fp32, to x's dtype."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
 
 
 def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -91,6 +105,117 @@ def write_kv_pallas(k_cache, v_cache, k, v, slot_mapping, *, k_scale: float = 1.
         name="write_kv",
     )(slot_mapping, k, v, k_cache.reshape(flat), v_cache.reshape(flat))
     return k_out.reshape(k_cache.shape), v_out.reshape(v_cache.shape)
+
+
+def rope_write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, qkv: jax.Array,
+                            cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, *,
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            product_scales: tuple[jax.Array, jax.Array] | None = None,
+                            dtype=None):
+    """qkv [T, Hkv, G + 2, D]: each KV head's G query heads, then its k and v (the fused QKV
+    GEMM's layout); cos, sin [T, 1, D / 2] float32 -> (q [T, Hkv * G, D] roped, and the caches
+    with k roped and v written as `write_kv_reference` writes them).
+    product_scales: qkv is an FP8 GEMM's product before its scales, (per token [T], per channel
+    [Hkv, G + 2, D]), applied in fp32 and rounded to `dtype` (the projection's output) first."""
+    if product_scales is not None:
+        row, col = product_scales
+        qkv = (qkv.astype(jnp.float32) * row[:, None, None, None] * col).astype(dtype)
+    num_tokens, _, width, head_dim = qkv.shape
+    q = rope_reference(qkv[:, :, :width - 2].reshape(num_tokens, -1, head_dim), cos, sin)
+    k = rope_reference(qkv[:, :, width - 2], cos, sin)
+    return (q, *write_kv_reference(k_cache, v_cache, k, qkv[:, :, width - 1], slot_mapping,
+                                   k_scale=k_scale, v_scale=v_scale))
+
+
+def _rope_write_kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, page_size, k_scale, v_scale,
+                       scaled, layer):
+    """One (block of tokens, KV head): its G query heads roped into q_ref [T, Hq, D], its k
+    roped and its v stored into their cache rows. Each head is read as two halves [Bt, D / 2],
+    the rope's pairs. refs: with `scaled` the product's token and channel scales ([T] and
+    [(L,) Hkv, G + 2, D], at row `layer`), then the caches (aliased to the outputs), q_ref and
+    the caches' outputs."""
+    (row_ref, col_ref), refs = (refs[:2], refs[2:]) if scaled else ((None, None), refs)
+    _, _, q_ref, k_cache_ref, v_cache_ref = refs  # the caches come in aliased to their outputs
+    num_tokens, num_kv_heads, width, head_dim = qkv_ref.shape
+    group, half = width - 2, head_dim // 2
+    head = pl.program_id(1)
+    token = pl.program_id(0) * _BLOCK_TOKENS + jnp.arange(_BLOCK_TOKENS, dtype=jnp.int32)
+    valid = token < num_tokens
+    rows, live = token[:, None], valid[:, None]
+    dims = jnp.arange(half, dtype=jnp.int32)[None, :]
+    cos = pltriton.load(cos_ref.at[rows, dims], mask=live, other=0)  # [Bt, D / 2] fp32
+    sin = pltriton.load(sin_ref.at[rows, dims], mask=live, other=0)
+    if scaled:
+        token_scale = pltriton.load(row_ref.at[token], mask=valid, other=0)[:, None]
+        col_row = prefix(col_ref, 3, layer)
+
+    def halves(j):
+        """Head j's halves [Bt, D / 2] in the output's dtype (a product scaled first)."""
+        parts = tuple(pltriton.load(qkv_ref.at[rows, head, j, dims + h], mask=live, other=0)
+                      for h in (0, half))
+        if not scaled:
+            return parts
+        cols = tuple(pltriton.load(col_ref.at[(*col_row, head, j, dims + h)])
+                     for h in (0, half))
+        return tuple((x.astype(jnp.float32) * token_scale * c).astype(q_ref.dtype)
+                     for x, c in zip(parts, cols))
+
+    def roped(j):
+        x1, x2 = (x.astype(jnp.float32) for x in halves(j))
+        return tuple(x.astype(q_ref.dtype) for x in (x1 * cos - x2 * sin, x2 * cos + x1 * sin))
+
+    for j in range(group):
+        for h, x in zip((0, half), roped(j)):
+            pltriton.store(q_ref.at[rows, head * group + j, dims + h], x, mask=live)
+    slot = pltriton.load(slot_ref.at[token], mask=valid, other=0)  # [Bt]
+    dst = (((slot // page_size) * num_kv_heads + head) * page_size + slot % page_size)[:, None]
+    for cache_ref, scale, parts in ((k_cache_ref, k_scale, roped(group)),
+                                    (v_cache_ref, v_scale, halves(group + 1))):
+        for h, x in zip((0, half), parts):
+            pltriton.store(cache_ref.at[dst, dims + h], to_cache(x, cache_ref.dtype, scale),
+                           mask=live)
+
+
+def rope_write_kv(k_cache, v_cache, qkv, cos, sin, slot_mapping, *, k_scale: float = 1.0,
+                  v_scale: float = 1.0, product_scales=None, dtype=None,
+                  layer: int | None = None, interpret: bool = False):
+    """`rope_write_kv_reference`'s contract as one Pallas kernel, the caches written in place
+    (donate them under jit). The channel scales of product_scales may come stacked across
+    layers, [L, Hkv, G + 2, D], read at row `layer` (stacked.py)."""
+    num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
+    num_tokens, width = qkv.shape[0], qkv.shape[2]
+    if qkv.shape[1:] != (num_kv_heads, width, head_dim) or width < 3 or head_dim % 2:
+        raise ValueError(f"qkv {qkv.shape} must be [T, {num_kv_heads}, G + 2, {head_dim}]")
+    if cos.shape != sin.shape or cos.size != num_tokens * head_dim // 2:
+        raise ValueError(f"cos {cos.shape}, sin {sin.shape} must be [{num_tokens}, 1, "
+                         f"{head_dim // 2}]")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [{num_tokens}]")
+    scales = ()
+    if product_scales is not None:
+        row, col = product_scales
+        check_stacked("product_scales' channel scales", col, qkv.shape[1:], layer)
+        if row.shape != (num_tokens,):
+            raise ValueError(f"product_scales' token scales {row.shape}: want [{num_tokens}]")
+        scales = (row.astype(jnp.float32), col.astype(jnp.float32))
+    flat = (num_pages * num_kv_heads * page_size, head_dim)
+    angles = (num_tokens, head_dim // 2)
+    inputs = (slot_mapping, qkv, cos.reshape(angles).astype(jnp.float32),
+              sin.reshape(angles).astype(jnp.float32), *scales)
+    q, k_out, v_out = pl.pallas_call(
+        functools.partial(_rope_write_kernel, page_size=page_size, k_scale=k_scale,
+                          v_scale=v_scale, scaled=bool(scales), layer=layer),
+        grid=(pl.cdiv(num_tokens, _BLOCK_TOKENS), num_kv_heads),
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_kv_heads * (width - 2), head_dim),
+                                        dtype or qkv.dtype),
+                   jax.ShapeDtypeStruct(flat, k_cache.dtype),
+                   jax.ShapeDtypeStruct(flat, v_cache.dtype)],
+        input_output_aliases={len(inputs): 1, len(inputs) + 1: 2},
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="rope_write_kv",
+    )(*inputs, k_cache.reshape(flat), v_cache.reshape(flat))
+    return q, k_out.reshape(k_cache.shape), v_out.reshape(v_cache.shape)
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, **scales):

@@ -1,5 +1,5 @@
-"""KV write: the Pallas kernel (interpret mode) against the scatter reference, and its CUDA
-lowering on this CPU machine."""
+"""KV write: the Pallas kernels (interpret mode; the plain write and the rope and write) against
+their references, and their CUDA lowering on this CPU machine."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import lower_for_h200
-from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_reference
+from pallas_kernels.kv_write import (rope_reference, rope_write_kv, rope_write_kv_reference,
+                                     write_kv, write_kv_pallas, write_kv_reference)
 
 
 def random_step(seed, num_tokens, num_live, num_pages=12, page_size=16, num_kv_heads=3,
@@ -57,3 +58,116 @@ def test_lowers_for_cuda():
     args = (cache, cache, sds((100, 8, 128), jnp.bfloat16), sds((100, 8, 128), jnp.bfloat16),
             sds((100,), jnp.int32))
     assert "write_kv" in lower_for_h200(jax.jit(write_kv_pallas, donate_argnums=(0, 1)), *args)
+
+
+def random_rope_step(seed, num_tokens, num_live, group=3, cache_dtype=jnp.bfloat16, **kw):
+    """random_step's caches and slots, a fused qkv [T, Hkv, G + 2, D] and a rope's angles."""
+    k_cache, v_cache, _, _, slots = random_step(seed, num_tokens, num_live, **kw)
+    _, num_kv_heads, _, head_dim = k_cache.shape
+    rng = np.random.default_rng(seed + 1)
+    qkv = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, group + 2, head_dim)),
+                      jnp.float32).astype(k_cache.dtype)
+    angles = (rng.integers(0, 4000, num_tokens)[:, None, None]
+              * 10000.0 ** (-np.arange(head_dim // 2) / (head_dim // 2)))
+    cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
+    return k_cache.astype(cache_dtype), v_cache.astype(cache_dtype), qkv, cos, sin, slots
+
+
+def test_rope_reference_is_hf_rotate_half():
+    _, _, qkv, cos, sin, _ = random_rope_step(3, 5, 5, dtype=jnp.float32)
+    x = np.asarray(qkv[:, :, 0], np.float64)  # [T, H, D]
+    c, s = (np.concatenate([np.asarray(a, np.float64)] * 2, -1) for a in (cos, sin))
+    rotate_half = np.concatenate([-x[..., 32:], x[..., :32]], -1)
+    np.testing.assert_allclose(np.asarray(rope_reference(qkv[:, :, 0], cos, sin)),
+                               x * c + rotate_half * s, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,num_live,group", [(40, 37, 3), (1, 1, 4), (16, 9, 1)])
+def test_rope_write_matches_reference(num_tokens, num_live, group):
+    """Ragged token counts (a partial last block, padding tokens), permuted slots, caches of
+    random values (a slot not written keeps its value)."""
+    args = random_rope_step(num_tokens, num_tokens, num_live, group)
+    q, k_cache, v_cache = rope_write_kv(*args, interpret=True)
+    want_q, want_k, want_v = rope_write_kv_reference(*args)
+    assert q.shape == (num_tokens, 3 * group, 64) and q.dtype == jnp.bfloat16
+    # one bf16 rounding of the same fp32 sums (a fused multiply-add may round the sum apart)
+    np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(want_q, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7)
+    np.testing.assert_allclose(np.asarray(k_cache, np.float32)[1:],
+                               np.asarray(want_k, np.float32)[1:], rtol=2 ** -7, atol=2 ** -7)
+    np.testing.assert_array_equal(np.asarray(v_cache, np.float32)[1:],
+                                  np.asarray(want_v, np.float32)[1:])  # block 0: padding
+    # and the reference is the unfused path: the GEMM's q heads roped, then the KV write
+    k = rope_reference(args[2][:, :, group], args[3], args[4])
+    unfused = write_kv_reference(args[0], args[1], k, args[2][:, :, group + 1], args[5])
+    np.testing.assert_array_equal(np.asarray(want_k, np.float32),
+                                  np.asarray(unfused[0], np.float32))
+
+
+def test_rope_write_fp8_cache_scales_and_saturates():
+    k_cache, v_cache, qkv, cos, sin, slots = random_rope_step(
+        7, 24, 20, cache_dtype=jnp.float8_e4m3fn)
+    qkv = qkv * 300.0  # past float8's 448 after the scales: saturated, not NaN
+    got = rope_write_kv(k_cache, v_cache, qkv, cos, sin, slots, k_scale=0.5, v_scale=2.0,
+                        interpret=True)
+    want = rope_write_kv_reference(k_cache, v_cache, qkv, cos, sin, slots, k_scale=0.5,
+                                   v_scale=2.0)
+    for g, w in zip(got[1:], want[1:]):
+        g, w = np.asarray(g, np.float32)[1:], np.asarray(w, np.float32)[1:]
+        assert np.isfinite(g).all() and np.abs(g).max() == 448
+        np.testing.assert_allclose(g, w, rtol=2 ** -3)  # float8's step, at most one apart
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_rope_write_scales_an_fp8_product_first(stacked):
+    """qkv as an FP8 GEMM's unscaled product (fp32 here): per-token and per-channel scales
+    applied and rounded to the projection's dtype before the rope, as ScaledProduct.value();
+    the channel scales may come as one layer's row of a stack."""
+    k_cache, v_cache, qkv, cos, sin, slots = random_rope_step(5, 21, 19, dtype=jnp.float32)
+    rng = np.random.default_rng(9)
+    row = jnp.asarray(rng.uniform(0.01, 2.0, 21), jnp.float32)
+    col = jnp.asarray(rng.uniform(0.01, 2.0, qkv.shape[1:]), jnp.float32)
+    caches = tuple(c.astype(jnp.bfloat16) for c in (k_cache, v_cache))
+    stack, layer = (jnp.stack([col * 3.0, col, col * 5.0]), 1) if stacked else (col, None)
+    got = rope_write_kv(*caches, qkv, cos, sin, slots, product_scales=(row, stack),
+                        dtype=jnp.bfloat16, layer=layer, interpret=True)
+    scaled = (qkv * row[:, None, None, None] * col).astype(jnp.bfloat16)
+    want = rope_write_kv_reference(*caches, scaled, cos, sin, slots)
+    assert got[0].dtype == jnp.bfloat16
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32)[1:] if g.ndim == 4 else
+                                   np.asarray(g, np.float32),
+                                   np.asarray(w, np.float32)[1:] if w.ndim == 4 else
+                                   np.asarray(w, np.float32), rtol=2 ** -7, atol=2 ** -7)
+    unscaled = rope_write_kv(*caches, qkv, cos, sin, slots, interpret=True)
+    assert not np.allclose(np.asarray(unscaled[0], np.float32), np.asarray(got[0], np.float32),
+                           atol=0.1)
+
+
+def test_rope_write_refuses_mismatched_shapes():
+    k_cache, v_cache, qkv, cos, sin, slots = random_rope_step(1, 4, 4)
+    with pytest.raises(ValueError, match="G \\+ 2"):
+        rope_write_kv(k_cache, v_cache, qkv[:, :2], cos, sin, slots, interpret=True)
+    with pytest.raises(ValueError, match="cos"):
+        rope_write_kv(k_cache, v_cache, qkv, cos[:, :, :8], sin[:, :, :8], slots, interpret=True)
+    stack = jnp.ones((2, *qkv.shape[1:]), jnp.float32)
+    with pytest.raises(ValueError, match="stacked"):  # a stack without its row
+        rope_write_kv(k_cache, v_cache, qkv, cos, sin, slots, interpret=True,
+                      product_scales=(jnp.ones(4, jnp.float32), stack))
+
+
+@pytest.mark.parametrize("num_tokens,scaled", [(1, False), (2048, False), (512, True)])
+def test_rope_write_lowers_for_cuda(num_tokens, scaled):
+    sds = jax.ShapeDtypeStruct
+    cache = sds((64, 8, 16, 128), jnp.float8_e4m3fn if scaled else jnp.bfloat16)
+    angles = sds((num_tokens, 1, 64), jnp.float32)
+    args = (cache, cache, sds((num_tokens, 8, 6, 128), jnp.bfloat16), angles, angles,
+            sds((num_tokens,), jnp.int32))
+    fn = rope_write_kv
+    if scaled:  # an FP8 GEMM's product, its channel scales one layer's row of a stack
+        args += (sds((num_tokens,), jnp.float32), sds((32, 8, 6, 128), jnp.float32))
+
+        def fn(*args):
+            return rope_write_kv(*args[:6], product_scales=args[6:], dtype=jnp.bfloat16,
+                                 layer=3)
+    assert "rope_write_kv" in lower_for_h200(jax.jit(fn, donate_argnums=(0, 1)), *args)

@@ -332,3 +332,24 @@ def test_stacked_kernels_lower_for_cuda():
     assert "silu_mul_fp8" in lower_for_h200(
         functools.partial(silu_mul_fp8, layer=7), sds((512, 28672), jnp.bfloat16),
         sds((512,), jnp.float32), sds((num_layers, 28672), jnp.float32))
+
+
+@pytest.mark.parametrize("kind,num_tokens", [("bf16", 1), ("bf16", 5), ("fp8", 1), ("fp8", 5)])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_rope_write_gives_the_unfused_step(kind, num_tokens, stacked):
+    """The Pallas backends' rope and KV write (one kernel, interpret mode) in a step: the
+    logits and caches of the unfused rope and scatter. At five FP8 tokens qkv reaches it as
+    the W8A8 GEMM's unscaled product, its channel scales a row of a stack when stacked."""
+    from jaxllm.models.attention import RopeKVWrite
+
+    params = make_params(kind)
+    if stacked:
+        params = stack_layers(params)
+    cache, batch = step(num_tokens)
+    want, want_cache = transformer.forward(params, cache, batch, args=ARGS)
+    got, got_cache = transformer.forward(params, cache, batch, args=ARGS,
+                                         write_kv=RopeKVWrite(interpret=True))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-2)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2 ** -7, atol=2 ** -7)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,9 @@ import pytest
 
 from jaxllm.loader import load_model
 from jaxllm.models import ModelArgs, forward, fuse_params
+from jaxllm.models.attention import RopeKVWrite
 from jaxllm.worker.batch import SeqChunk, build_step_batch
+from pallas_kernels.kv_write import write_kv_reference
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -33,19 +36,23 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
-def _run_step(loaded, kv_caches, chunks, all_positions: bool):
+def _run_step(loaded, kv_caches, chunks, all_positions: bool, write_kv=write_kv_reference):
     batch = build_step_batch(chunks, 32, 8, MAX_BLOCKS_PER_SEQ, BLOCK_SIZE)
     num_tokens = sum(len(c.token_ids) for c in chunks)
     if all_positions:  # logits at every real token, not only each sequence's last
         batch = dataclasses.replace(batch, logits_indices=np.arange(num_tokens, dtype=np.int32))
-    step = jax.jit(forward, static_argnames=("args",))
+    step = jax.jit(functools.partial(forward, write_kv=write_kv), static_argnames=("args",))
     params = fuse_params(loaded.params, loaded.args.num_kv_heads)
     logits, kv_caches = step(params, kv_caches, jax.tree.map(jnp.asarray, batch), args=loaded.args)
     return np.asarray(logits), kv_caches
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_prefill_then_continue_matches_hf(kind, tiny_model_dirs):
+@pytest.mark.parametrize("kind,write_kv", [
+    ("llama", write_kv_reference), ("qwen2", write_kv_reference), ("qwen3", write_kv_reference),
+    # the Pallas backends' rope and KV write, one kernel (interpret mode); qwen3's q/k norms
+    # take the unfused path
+    ("llama", RopeKVWrite(interpret=True)), ("qwen2", RopeKVWrite(interpret=True))])
+def test_prefill_then_continue_matches_hf(kind, write_kv, tiny_model_dirs):
     model_dir = tiny_model_dirs[kind]
     loaded = load_model(model_dir, "float32")
     args = loaded.args
@@ -61,14 +68,15 @@ def test_prefill_then_continue_matches_hf(kind, tiny_model_dirs):
                  for _ in range(args.num_layers)]
 
     chunks = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]
-    logits, kv_caches = _run_step(loaded, kv_caches, chunks, all_positions=True)
+    logits, kv_caches = _run_step(loaded, kv_caches, chunks, all_positions=True,
+                                  write_kv=write_kv)
     ref = np.concatenate([_hf_logits(model_dir, p) for p in prompts])
     assert logits.shape == ref.shape
     assert _rel_err(logits, ref) < 1e-4, _rel_err(logits, ref)
 
     extra = [rng.integers(3, vocab, n).tolist() for n in STEP2_LENS]
     chunks = [SeqChunk(e, len(p), t) for p, e, t in zip(prompts, extra, tables)]
-    logits, _ = _run_step(loaded, kv_caches, chunks, all_positions=False)
+    logits, _ = _run_step(loaded, kv_caches, chunks, all_positions=False, write_kv=write_kv)
     ref = np.stack([_hf_logits(model_dir, p + e)[-1] for p, e in zip(prompts, extra)])
     assert _rel_err(logits[:len(prompts)], ref) < 1e-4, _rel_err(logits[:len(prompts)], ref)
 
@@ -94,7 +102,7 @@ def test_fused_projections_equal_the_separate_ones():
     """fuse_params' wqkv / bqkv / w_gate_up give, in one GEMM each, exactly the q, k, v and
     gate, up of the HF-shaped matrices (query head i grouped with KV head i // G), and the
     fused-away matrices are deleted only when asked."""
-    from jaxllm.models.transformer import _qkv
+    from jaxllm.models.transformer import _qkv, _split_qkv
 
     rng = np.random.default_rng(0)
     hidden, num_heads, num_kv_heads, head_dim, inter = 16, 6, 2, 4, 10
@@ -107,7 +115,7 @@ def test_fused_projections_equal_the_separate_ones():
     fused = fuse_params({"layers": [layer]}, num_kv_heads)["layers"][0]
     assert sorted(fused) == ["bqkv", "w_gate_up", "wo", "wqkv"]
     h = normal(3, hidden)
-    q, k, v = _qkv(fused, h, args)
+    q, k, v = _split_qkv(_qkv(fused, h, args), args)
     np.testing.assert_allclose(q, (h @ layer["wq"] + layer["bq"]).reshape(3, num_heads, head_dim),
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k, (h @ layer["wk"] + layer["bk"]).reshape(3, num_kv_heads, -1),

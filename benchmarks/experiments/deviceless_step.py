@@ -13,8 +13,9 @@ Needs jax's CUDA plugin in the environment (it compiles without a driver):
 
 Bytes are each kernel's operands and results, an operand that the kernel only slices (a
 layer's row of a stack, a page gather) counted as the slice, an in-place update as the
-update: a floor on its traffic, not a measurement. A Pallas kernel given a whole layer stack
-(params["layer_stacks"], read in place at its layer) counts one row of it.
+update (a Pallas kernel's, whose update is not in its shapes, as none: its other operands'
+reads bound it): a floor on its traffic, not a measurement. A Pallas kernel given a whole
+layer stack (params["layer_stacks"], read in place at its layer) counts one row of it.
 """
 
 from __future__ import annotations
@@ -124,13 +125,20 @@ def _stack_row(name: str, shape: str) -> int:
     return shape_bytes(shape) // int(found.group(2).split(",")[0])
 
 
+def _aliased(attrs: str) -> dict[int, int]:
+    """A custom call's outputs updated in place: output index -> its operand's."""
+    found = re.search(r"output_to_operand_aliasing=\{(.*?)\}(?:,|$)", attrs)
+    pairs = re.findall(r"\{(\d*)\}: \((\d+),", found.group(1)) if found else []
+    return {int(out or 0): int(operand) for out, operand in pairs}
+
+
 def _label(op: str, instr: str, attrs: str) -> str:
     """A kernel's name for the tally: a Pallas kernel's function, a fusion's kind of root and
     the jax op it came from."""
     op_name = re.search(r'op_name="([^"]+)"', attrs)
     source = op_name.group(1) if op_name else ""
     if op == "custom-call":
-        called = re.findall(r"jit\((\w+)\)", source)
+        called = re.findall(r"(\w+)/pallas_call", source) or re.findall(r"jit\((\w+)\)", source)
         return f"pallas:{called[-1]}" if called else op
     tail = source.rsplit("/", 1)[-1]
     return f"{re.sub(r'[.\d]+$', '', instr)}:{tail}"
@@ -167,9 +175,20 @@ def kernels(comps: dict, entry: str) -> list[dict]:
                      shape_bytes(shapes.get(o, "")) for o in operands]
             if label == "pallas:ragged_paged_attention":
                 sizes = [b for b in sizes if b < shape_bytes(shape) * 4]
+            # a cache updated in place (an aliased operand larger than the kernel's other
+            # operands together): its slots are a share of what the kernel reads
+            aliased = _aliased(attrs) if op == "custom-call" else {}
+            rest = sum(b for i, b in enumerate(sizes) if i not in aliased.values())
+            aliased = {o: i for o, i in aliased.items() if i < len(sizes) and sizes[i] > rest}
+            if aliased:
+                sizes = [0 if i in aliased.values() else b for i, b in enumerate(sizes)]
             read = sum(b if fused is None or _param_traffic(fused, i) is None
                        else _param_traffic(fused, i) for i, b in enumerate(sizes))
             written = (_in_place_update(fused, shapes) if fused else None)
+            if aliased:
+                outputs = _SHAPE.findall(shape)
+                written = sum(shape_bytes(f"{t}[{d}]") for i, (t, d) in enumerate(outputs)
+                              if i not in aliased)
             written = shape_bytes(shape) if written is None else written
             out.append(dict(name=instr, label=label, bytes=read + written))
 

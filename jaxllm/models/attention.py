@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
 import jax
 
+from jaxllm.models.layer_stacks import in_place
+from jaxllm.models.quant import ScaledProduct
 from pallas_kernels import kv_write, ragged_paged_attention
 
 
@@ -20,4 +23,28 @@ def attention_backend(name: str) -> tuple[Callable, Callable]:
         return ragged_paged_attention.ragged_paged_attention_reference, kv_write.write_kv_reference
     implementation = None if name == "pallas" else name
     return (functools.partial(ragged_paged_attention.ragged_paged_attention,
-                              implementation=implementation), kv_write.write_kv)
+                              implementation=implementation), RopeKVWrite())
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeKVWrite:
+    """The Pallas backends' KV write: called as any KV write (caches, k, v, slot_mapping ->
+    caches), and with `rope_write` also the rope, one kernel where XLA makes three
+    (pallas_kernels/kv_write.py). A model takes rope_write where a KV write has it and its
+    layer is plain rope (transformer.py); on a mesh the KV write is the sharded plain one.
+    interpret: the kernel in interpret mode (off a GPU, tests)."""
+    interpret: bool = False
+
+    def __call__(self, k_cache, v_cache, k, v, slot_mapping):
+        return kv_write.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def rope_write(self, k_cache, v_cache, qkv, cos, sin, slot_mapping):
+        """qkv [T, Hkv, G + 2, D] (or an FP8 GEMM's quant.ScaledProduct of it, scaled in the
+        kernel), cos, sin [T, 1, D / 2] -> (q [T, Hq, D] roped, caches)."""
+        kw = {}
+        if isinstance(qkv, ScaledProduct):
+            w_scale, layer = in_place(qkv.w_scale)
+            kw = dict(product_scales=(qkv.x_scale[:, 0], w_scale), dtype=qkv.dtype, layer=layer)
+            qkv = qkv.y
+        return kv_write.rope_write_kv(k_cache, v_cache, qkv, cos, sin, slot_mapping,
+                                      interpret=self.interpret, **kw)

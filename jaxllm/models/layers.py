@@ -12,6 +12,7 @@ import numpy as np
 from jaxllm.models.args import ModelArgs
 from jaxllm.models.quant import (fp8_swiglu, fp8_swiglu_applies, linear, norm_linear, rms_norm,
                                  swiglu_linear)
+from pallas_kernels import kv_write
 
 
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
@@ -45,10 +46,9 @@ def rope_cos_sin(positions: jax.Array, args: ModelArgs) -> tuple[jax.Array, jax.
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, D], HF's half-split layout (rotate_half), computed in fp32."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    """x [T, heads, D], HF's half-split layout (rotate_half), computed in fp32: the fused rope
+    and KV write's reference (pallas_kernels/kv_write.py), so both paths round alike."""
+    return kv_write.rope_reference(x, cos, sin)
 
 
 def dense_mlp(layer: dict, x: jax.Array, args: ModelArgs, lora=None,

@@ -304,19 +304,20 @@ def _one_layer(*layers: int | None) -> int | None:
 
 
 def norm_linear(x: jax.Array, norm_weight, eps: float, w,
-                quantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                quantized: tuple[jax.Array, jax.Array] | None = None, unscaled: bool = False):
     """linear(rms_norm(x, norm_weight, eps), w) (norm_weight an array or a layer_stacks.Row):
     where the FP8 GEMV runs, the norm runs inside it (one kernel, not three: the norm's
     reduction and scaling, then the GEMV); an FP8 weight's W8A8 takes it into its activations'
     quantisation. Other one-token steps apply the RMS (a scalar a token) to the product, not to
     x: XLA then makes the sum of squares and x times the norm's weight one fusion, where the
     reduction and the scaling of x were a launch-bound kernel each, and folds the RMS into the
-    product's consumers. quantized: x's norm already quantised (residual_norm_quant's)."""
+    product's consumers. quantized: x's norm already quantised (residual_norm_quant's);
+    unscaled: an FP8 W8A8 product may come back as a ScaledProduct (its consumer scales it)."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x):
         if norm_weight.dtype == x.dtype:
             return _fp8_gemv(x, w, norm_weight, eps)
     elif isinstance(w, Fp8Weight):
-        return _fp8_w8a8(x, w, norm_weight, eps, quantized=quantized)
+        return _fp8_w8a8(x, w, norm_weight, eps, quantized=quantized, unscaled=unscaled)
     if x.shape[0] > GEMV_MAX_TOKENS:
         return linear(rms_norm(x, norm_weight, eps), w)
     x32 = x.astype(jnp.float32)

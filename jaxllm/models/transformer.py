@@ -60,13 +60,15 @@ def _project(x: jax.Array, layer: dict, w: str, b: str, unscaled: bool = False):
 
 
 def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = None,
-         quantized=None):
-    """x [T, H] (the residual stream) -> q [T, Hq, D], k, v [T, Hkv, D]: the input norm and one
-    GEMM over the fused wqkv (models/fused.py), the norm in the GEMM where it fits (or x's norm
-    already quantised: quant.residual_norm_quant's). A layer without an input norm (EAGLE's
-    draft layer) reads x as it is."""
+         quantized=None, unscaled: bool = False):
+    """x [T, H] (the residual stream) -> qkv [T, Hkv, G + 2, D] (each KV head's G query heads,
+    then its k and v): the input norm and one GEMM over the fused wqkv (models/fused.py), the
+    norm in the GEMM where it fits (or x's norm already quantised:
+    quant.residual_norm_quant's). A layer without an input norm (EAGLE's draft layer) reads x
+    as it is. unscaled: an FP8 W8A8 GEMM's qkv may come as its quant.ScaledProduct."""
     if lora is None and "attn_norm" in layer:
-        qkv = norm_linear(x, layer["attn_norm"], args.rms_norm_eps, layer["wqkv"], quantized)
+        qkv = norm_linear(x, layer["attn_norm"], args.rms_norm_eps, layer["wqkv"], quantized,
+                          unscaled=unscaled and "bqkv" not in layer)
     else:
         h = rms_norm(x, layer["attn_norm"], args.rms_norm_eps) if "attn_norm" in layer else x
         qkv = linear(h, layer["wqkv"])  # [T, Hkv, G + 2, D]
@@ -74,8 +76,14 @@ def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = No
             qkv = lora.add(qkv, h, "qkv")
     if "bqkv" in layer:
         qkv = qkv + value(layer["bqkv"])
+    return qkv
+
+
+def _split_qkv(qkv: jax.Array, args: ModelArgs):
+    """qkv [T, Hkv, G + 2, D] -> q [T, Hq, D] (query head i grouped with KV head i // G), k,
+    v [T, Hkv, D]."""
     group = args.num_heads // args.num_kv_heads
-    q = qkv[:, :, :group].reshape(x.shape[0], args.num_heads, args.head_dim)
+    q = qkv[:, :, :group].reshape(qkv.shape[0], args.num_heads, args.head_dim)
     return q, qkv[:, :, group], qkv[:, :, group + 1]
 
 
@@ -85,19 +93,27 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
     """-> (the o projection's output: an array, or without LoRA an FP8 one's
     quant.ScaledProduct, the caches)."""
     num_tokens = x.shape[0]
-    q, k, v = _qkv(layer, x, args, lora, quantized)
-    if args.qk_norm:
-        q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # A checkpoint's static KV scales, applied around the kernels (which then keep 1.0): the
     # float8 pages hold k / k_scale and v / v_scale, q @ k = (q * k_scale) @ pages' k, and
     # p @ v = (p @ pages' v) * v_scale.
     scaled = "k_scale" in layer and k_cache.dtype == jnp.float8_e4m3fn
-    if scaled:
-        k_scale, v_scale = value(layer["k_scale"]), value(layer["v_scale"])
-        q, k, v = q * k_scale, k / k_scale, v / v_scale
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    # the KV write's own rope (models/attention.py), an FP8 qkv's scales inside it too
+    rope_write = getattr(write_kv, "rope_write", None)
+    if args.qk_norm or scaled:
+        rope_write = None
+    qkv = _qkv(layer, x, args, lora, quantized, unscaled=rope_write is not None)
+    if rope_write is not None:
+        q, k_cache, v_cache = rope_write(k_cache, v_cache, qkv, cos, sin, batch.slot_mapping)
+    else:
+        q, k, v = _split_qkv(qkv, args)
+        if args.qk_norm:
+            q = rms_norm(q, layer["q_norm"], args.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], args.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if scaled:
+            k_scale, v_scale = value(layer["k_scale"]), value(layer["v_scale"])
+            q, k, v = q * k_scale, k / k_scale, v / v_scale
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
     out = attn(q, k_cache, v_cache, batch.kv_lens, batch.block_tables, batch.cu_q_lens,
                batch.num_seqs, sm_scale=args.head_dim ** -0.5, sliding_window=args.sliding_window)
     if scaled:
