@@ -156,12 +156,14 @@ def test_rope_write_refuses_mismatched_shapes():
                       product_scales=(jnp.ones(4, jnp.float32), stack))
 
 
-@pytest.mark.parametrize("num_tokens,scaled", [(1, False), (2048, False), (512, True)])
-def test_rope_write_lowers_for_cuda(num_tokens, scaled):
+@pytest.mark.parametrize("num_tokens,scaled,dtype,head_dim", [
+    (1, False, jnp.bfloat16, 128), (2048, False, jnp.bfloat16, 128), (512, True, jnp.bfloat16, 128),
+    (7, False, jnp.float32, 64), (33, False, jnp.float16, 64)])  # the start-up matrix's dtypes
+def test_rope_write_lowers_for_cuda(num_tokens, scaled, dtype, head_dim):
     sds = jax.ShapeDtypeStruct
-    cache = sds((64, 8, 16, 128), jnp.float8_e4m3fn if scaled else jnp.bfloat16)
-    angles = sds((num_tokens, 1, 64), jnp.float32)
-    args = (cache, cache, sds((num_tokens, 8, 6, 128), jnp.bfloat16), angles, angles,
+    cache = sds((64, 8, 16, head_dim), jnp.float8_e4m3fn if scaled else dtype)
+    angles = sds((num_tokens, 1, head_dim // 2), jnp.float32)
+    args = (cache, cache, sds((num_tokens, 8, 6, head_dim), dtype), angles, angles,
             sds((num_tokens,), jnp.int32))
     fn = rope_write_kv
     if scaled:  # an FP8 GEMM's product, its channel scales one layer's row of a stack
