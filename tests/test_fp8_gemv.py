@@ -278,7 +278,8 @@ def test_one_token_fp8_forward_norms_inside_the_gemvs(monkeypatch):
     fused, _ = transformer.forward(params, cache, batch, args=args)
     assert norms == [True, False, True, False] * 2  # qkv, o, gate/up, down
     assert swiglus == [False, False, False, True] * 2
-    apart = lambda x, weight, eps, w, quantized=None: linear(quant.rms_norm(x, weight, eps), w)
+    apart = lambda x, weight, eps, w, quantized=None, unscaled=False: linear(  # noqa: E731
+        quant.rms_norm(x, weight, eps), w)
     monkeypatch.setattr(transformer, "norm_linear", apart)
     monkeypatch.setattr(layers, "norm_linear", apart)
     norms.clear()
