@@ -38,6 +38,7 @@ x past M; every store is masked to the live rows and channels.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -157,17 +158,36 @@ def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     return pl.cdiv(steps, pl.cdiv(steps, splits))  # no split left empty
 
 
+class Splits(NamedTuple):
+    """A K-split call's output before the wrapper's end (`finish_splits`): the splits' fp32
+    products [S, M, N] and, with a norm, their sums of x^2 [S, M] (else None)."""
+    parts: jax.Array
+    sumsq: jax.Array | None
+
+
+def finish_splits(splits: Splits, k: int, eps: float, dtype) -> jax.Array:
+    """[M, N] in dtype: the parts summed in split order, times the RMS of x's rows over K
+    (with a norm)."""
+    y = sum_splits(splits.parts)
+    if splits.sumsq is not None:
+        y = y * jax.lax.rsqrt(sum_splits(splits.sumsq) / k + eps)[:, None]
+    return y.astype(dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "layer", "swiglu", "block_n", "block_k",
-                                             "num_warps", "num_stages", "splits", "interpret"))
+                                             "num_warps", "num_stages", "splits", "keep_splits",
+                                             "interpret"))
 def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
              norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
              layer: int | None = None, swiglu: bool = False, block_n: int | None = None,
              block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-             splits: int | None = None, interpret: bool = False) -> jax.Array:
+             splits: int | None = None, keep_splits: bool = False,
+             interpret: bool = False) -> jax.Array | Splits:
     """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. block_n (channels a
     program) and block_k (the K tile) are powers of two; num_stages: the K loop's pipeline
     depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits. layer: the row of a
-    stacked scale or norm_weight; swiglu: x [M, 2K] is a gate/up product (no norm then)."""
+    stacked scale or norm_weight; swiglu: x [M, 2K] is a gate/up product (no norm then).
+    keep_splits: a K-split call returns its Splits, for a consumer kernel to finish."""
     (m, x_width), (n, k) = x.shape, values.shape
     if x_width != (2 * k if swiglu else k) or values.dtype != FP8:
         raise ValueError(f"x {x.shape}, values {values.shape} {values.dtype}: want [M, "
@@ -204,7 +224,5 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
     )(x, values, scale.astype(jnp.float32), *norm)
     if splits == 1:
         return out[0][0]
-    y = sum_splits(out[0])
-    if norm:
-        y = y * jax.lax.rsqrt(sum_splits(out[1]) / k + eps)[:, None]
-    return y.astype(x.dtype)
+    parts = Splits(out[0], out[1] if norm else None)
+    return parts if keep_splits else finish_splits(parts, k, eps, x.dtype)

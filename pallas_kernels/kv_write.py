@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.fp8_gemv import Splits, finish_splits
 from pallas_kernels.stacked import check_stacked, prefix
 
 
@@ -111,15 +112,24 @@ def rope_write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, qkv: jax.Arr
                             cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, *,
                             k_scale: float = 1.0, v_scale: float = 1.0,
                             product_scales: tuple[jax.Array, jax.Array] | None = None,
+                            splits: tuple[jax.Array | None, int, float] | None = None,
                             dtype=None):
     """qkv [T, Hkv, G + 2, D]: each KV head's G query heads, then its k and v (the fused QKV
     GEMM's layout); cos, sin [T, 1, D / 2] float32 -> (q [T, Hkv * G, D] roped, and the caches
-    with k roped and v written as `write_kv_reference` writes them).
-    product_scales: qkv is an FP8 GEMM's product before its scales, (per token [T], per channel
-    [Hkv, G + 2, D]), applied in fp32 and rounded to `dtype` (the projection's output) first."""
+    with k roped and v written as `write_kv_reference` writes them). qkv may come unfinished,
+    finished to `dtype` (the projection's output) before the rope:
+    - product_scales: an FP8 GEMM's product before its scales (per token [T], per channel
+      [Hkv, G + 2, D]), applied in fp32;
+    - splits = (sumsq [S, T] or None, k, eps): qkv is [S, T, Hkv, G + 2, D], a K-split GEMV's
+      fp32 partial products, finished as fp8_gemv.finish_splits (summed in split order, times
+      the RMS of x's rows over k when the GEMV took the input norm)."""
     if product_scales is not None:
         row, col = product_scales
         qkv = (qkv.astype(jnp.float32) * row[:, None, None, None] * col).astype(dtype)
+    if splits is not None:
+        sumsq, k, eps = splits
+        parts = Splits(qkv.reshape(*qkv.shape[:2], -1), sumsq)
+        qkv = finish_splits(parts, k, eps, dtype).reshape(qkv.shape[1:])
     num_tokens, _, width, head_dim = qkv.shape
     q = rope_reference(qkv[:, :, :width - 2].reshape(num_tokens, -1, head_dim), cos, sin)
     k = rope_reference(qkv[:, :, width - 2], cos, sin)
@@ -128,15 +138,18 @@ def rope_write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, qkv: jax.Arr
 
 
 def _rope_write_kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, page_size, k_scale, v_scale,
-                       scaled, layer):
+                       source, layer, split_k, eps):
     """One (block of tokens, KV head): its G query heads roped into q_ref [T, Hq, D], its k
     roped and its v stored into their cache rows. Each head is read as two halves [Bt, D / 2],
-    the rope's pairs. refs: with `scaled` the product's token and channel scales ([T] and
-    [(L,) Hkv, G + 2, D], at row `layer`), then the caches (aliased to the outputs), q_ref and
-    the caches' outputs."""
-    (row_ref, col_ref), refs = (refs[:2], refs[2:]) if scaled else ((None, None), refs)
-    _, _, q_ref, k_cache_ref, v_cache_ref = refs  # the caches come in aliased to their outputs
-    num_tokens, num_kv_heads, width, head_dim = qkv_ref.shape
+    the rope's pairs. source: how qkv comes (rope_write_kv_reference's options): "plain";
+    "scaled", refs then starting with the token and channel scales ([T] and
+    [(L,) Hkv, G + 2, D], at row `layer`); "splits" (qkv [S, T, ...] fp32) or "splits+norm",
+    refs then starting with the sums of squares [S, T]. Then the caches (aliased to the
+    outputs), q_ref and the caches' outputs."""
+    lead = {"plain": 0, "scaled": 2, "splits": 0, "splits+norm": 1}[source]
+    extra, (_, _, q_ref, k_cache_ref, v_cache_ref) = refs[:lead], refs[lead:]
+    num_splits = qkv_ref.shape[0] if source.startswith("splits") else None
+    num_tokens, num_kv_heads, width, head_dim = qkv_ref.shape[-4:]
     group, half = width - 2, head_dim // 2
     head = pl.program_id(1)
     token = pl.program_id(0) * _BLOCK_TOKENS + jnp.arange(_BLOCK_TOKENS, dtype=jnp.int32)
@@ -145,20 +158,32 @@ def _rope_write_kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, page_size, k_
     dims = jnp.arange(half, dtype=jnp.int32)[None, :]
     cos = pltriton.load(cos_ref.at[rows, dims], mask=live, other=0)  # [Bt, D / 2] fp32
     sin = pltriton.load(sin_ref.at[rows, dims], mask=live, other=0)
-    if scaled:
+    if source == "scaled":
+        row_ref, col_ref = extra
         token_scale = pltriton.load(row_ref.at[token], mask=valid, other=0)[:, None]
         col_row = prefix(col_ref, 3, layer)
+    if source == "splits+norm":  # the RMS of each token's x, as the GEMV's wrapper takes it
+        sumsq = functools.reduce(jnp.add, (pltriton.load(extra[0].at[s, token], mask=valid,
+                                                         other=0) for s in range(num_splits)))
+        rms = jax.lax.rsqrt(sumsq / split_k + eps)[:, None]
+
+    def load(j, h):  # head j's half at h: [Bt, D / 2] as it comes
+        if num_splits is None:
+            return pltriton.load(qkv_ref.at[rows, head, j, dims + h], mask=live, other=0)
+        return functools.reduce(jnp.add, (
+            pltriton.load(qkv_ref.at[s, rows, head, j, dims + h], mask=live, other=0)
+            for s in range(num_splits)))
 
     def halves(j):
-        """Head j's halves [Bt, D / 2] in the output's dtype (a product scaled first)."""
-        parts = tuple(pltriton.load(qkv_ref.at[rows, head, j, dims + h], mask=live, other=0)
-                      for h in (0, half))
-        if not scaled:
-            return parts
-        cols = tuple(pltriton.load(col_ref.at[(*col_row, head, j, dims + h)])
-                     for h in (0, half))
-        return tuple((x.astype(jnp.float32) * token_scale * c).astype(q_ref.dtype)
-                     for x, c in zip(parts, cols))
+        """Head j's halves [Bt, D / 2] in the output's dtype (finished first)."""
+        parts = tuple(load(j, h) for h in (0, half))
+        if source == "scaled":
+            cols = tuple(pltriton.load(col_ref.at[(*col_row, head, j, dims + h)])
+                         for h in (0, half))
+            parts = tuple(x.astype(jnp.float32) * token_scale * c for x, c in zip(parts, cols))
+        elif source == "splits+norm":
+            parts = tuple(x * rms for x in parts)
+        return tuple(x.astype(q_ref.dtype) for x in parts)
 
     def roped(j):
         x1, x2 = (x.astype(jnp.float32) for x in halves(j))
@@ -177,34 +202,44 @@ def _rope_write_kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, page_size, k_
 
 
 def rope_write_kv(k_cache, v_cache, qkv, cos, sin, slot_mapping, *, k_scale: float = 1.0,
-                  v_scale: float = 1.0, product_scales=None, dtype=None,
+                  v_scale: float = 1.0, product_scales=None, splits=None, dtype=None,
                   layer: int | None = None, interpret: bool = False):
     """`rope_write_kv_reference`'s contract as one Pallas kernel, the caches written in place
     (donate them under jit). The channel scales of product_scales may come stacked across
     layers, [L, Hkv, G + 2, D], read at row `layer` (stacked.py)."""
     num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
-    num_tokens, width = qkv.shape[0], qkv.shape[2]
-    if qkv.shape[1:] != (num_kv_heads, width, head_dim) or width < 3 or head_dim % 2:
-        raise ValueError(f"qkv {qkv.shape} must be [T, {num_kv_heads}, G + 2, {head_dim}]")
+    heads = qkv.shape[1:] if splits is None else qkv.shape[2:]
+    num_tokens, width = qkv.shape[-4], heads[1]
+    if heads != (num_kv_heads, width, head_dim) or width < 3 or head_dim % 2:
+        raise ValueError(f"qkv {qkv.shape} must be [{'' if splits is None else 'S, '}T, "
+                         f"{num_kv_heads}, G + 2, {head_dim}]")
     if cos.shape != sin.shape or cos.size != num_tokens * head_dim // 2:
         raise ValueError(f"cos {cos.shape}, sin {sin.shape} must be [{num_tokens}, 1, "
                          f"{head_dim // 2}]")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [{num_tokens}]")
-    scales = ()
+    if product_scales is not None and splits is not None:
+        raise ValueError("product_scales and splits: qkv comes one way")
+    extra, source, split_k, eps = (), "plain", 0, 0.0
     if product_scales is not None:
         row, col = product_scales
-        check_stacked("product_scales' channel scales", col, qkv.shape[1:], layer)
+        check_stacked("product_scales' channel scales", col, heads, layer)
         if row.shape != (num_tokens,):
             raise ValueError(f"product_scales' token scales {row.shape}: want [{num_tokens}]")
-        scales = (row.astype(jnp.float32), col.astype(jnp.float32))
+        extra, source = (row.astype(jnp.float32), col.astype(jnp.float32)), "scaled"
+    if splits is not None:
+        sumsq, split_k, eps = splits
+        if sumsq is not None and sumsq.shape != qkv.shape[:2]:
+            raise ValueError(f"splits' sums of squares {sumsq.shape}: want {qkv.shape[:2]}")
+        extra, source = ((), "splits") if sumsq is None else ((sumsq,), "splits+norm")
     flat = (num_pages * num_kv_heads * page_size, head_dim)
     angles = (num_tokens, head_dim // 2)
     inputs = (slot_mapping, qkv, cos.reshape(angles).astype(jnp.float32),
-              sin.reshape(angles).astype(jnp.float32), *scales)
+              sin.reshape(angles).astype(jnp.float32), *extra)
     q, k_out, v_out = pl.pallas_call(
         functools.partial(_rope_write_kernel, page_size=page_size, k_scale=k_scale,
-                          v_scale=v_scale, scaled=bool(scales), layer=layer),
+                          v_scale=v_scale, source=source, layer=layer, split_k=split_k,
+                          eps=eps),
         grid=(pl.cdiv(num_tokens, _BLOCK_TOKENS), num_kv_heads),
         out_shape=[jax.ShapeDtypeStruct((num_tokens, num_kv_heads * (width - 2), head_dim),
                                         dtype or qkv.dtype),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import lower_for_h200
+from pallas_kernels.fp8_gemv import Splits, finish_splits
 from pallas_kernels.kv_write import (rope_reference, rope_write_kv, rope_write_kv_reference,
                                      write_kv, write_kv_pallas, write_kv_reference)
 
@@ -144,6 +145,34 @@ def test_rope_write_scales_an_fp8_product_first(stacked):
                            atol=0.1)
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_write_finishes_a_k_split_gemv(norm):
+    """qkv as a K-split GEMV's fp32 partial products (and, with its input norm, the partial
+    sums of x^2): summed in split order and times the RMS, to the projection's dtype, before
+    the rope, as the GEMV's own end (fp8_gemv.finish_splits)."""
+    k_cache, v_cache, qkv, cos, sin, slots = random_rope_step(11, 19, 17)
+    rng = np.random.default_rng(4)
+    parts = jnp.asarray(rng.standard_normal((3, *qkv.shape)), jnp.float32)
+    sumsq = jnp.asarray(rng.uniform(1.0, 50.0, (3, 19)), jnp.float32) if norm else None
+    got = rope_write_kv(k_cache, v_cache, parts, cos, sin, slots, splits=(sumsq, 64, 1e-5),
+                        dtype=jnp.bfloat16, interpret=True)
+    finished = finish_splits(Splits(parts.reshape(3, 19, -1), sumsq), 64, 1e-5, jnp.bfloat16)
+    want = rope_write_kv_reference(k_cache, v_cache, finished.reshape(qkv.shape), cos, sin, slots)
+    ref = rope_write_kv_reference(k_cache, v_cache, parts, cos, sin, slots,
+                                  splits=(sumsq, 64, 1e-5), dtype=jnp.bfloat16)
+    for g, w, r in zip(got, want, ref):
+        g, w, r = (np.asarray(a, np.float32) for a in (g, w, r))
+        if g.ndim == 4:  # caches: block 0 is padding's
+            g, w, r = g[1:], w[1:], r[1:]
+        np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7)
+        np.testing.assert_array_equal(r, w)
+    one_split = rope_write_kv(k_cache, v_cache, parts[:1], cos, sin, slots,
+                              splits=(None if sumsq is None else sumsq[:1], 64, 1e-5),
+                              dtype=jnp.bfloat16, interpret=True)
+    assert not np.allclose(np.asarray(one_split[0], np.float32), np.asarray(got[0], np.float32),
+                           atol=0.1)
+
+
 def test_rope_write_refuses_mismatched_shapes():
     k_cache, v_cache, qkv, cos, sin, slots = random_rope_step(1, 4, 4)
     with pytest.raises(ValueError, match="G \\+ 2"):
@@ -158,6 +187,7 @@ def test_rope_write_refuses_mismatched_shapes():
 
 @pytest.mark.parametrize("num_tokens,scaled,dtype,head_dim", [
     (1, False, jnp.bfloat16, 128), (2048, False, jnp.bfloat16, 128), (512, True, jnp.bfloat16, 128),
+    (1, "splits", jnp.bfloat16, 128),
     (7, False, jnp.float32, 64), (33, False, jnp.float16, 64)])  # the start-up matrix's dtypes
 def test_rope_write_lowers_for_cuda(num_tokens, scaled, dtype, head_dim):
     sds = jax.ShapeDtypeStruct
@@ -166,7 +196,13 @@ def test_rope_write_lowers_for_cuda(num_tokens, scaled, dtype, head_dim):
     args = (cache, cache, sds((num_tokens, 8, 6, head_dim), dtype), angles, angles,
             sds((num_tokens,), jnp.int32))
     fn = rope_write_kv
-    if scaled:  # an FP8 GEMM's product, its channel scales one layer's row of a stack
+    if scaled == "splits":  # a one-token GEMV's two K splits, its input norm's sums inside
+        args = (*args[:2], sds((2, num_tokens, 8, 6, head_dim), jnp.float32), *args[3:],
+                sds((2, num_tokens), jnp.float32))
+
+        def fn(*args):
+            return rope_write_kv(*args[:6], splits=(args[6], 4096, 1e-5), dtype=jnp.bfloat16)
+    elif scaled:  # an FP8 GEMM's product, its channel scales one layer's row of a stack
         args += (sds((num_tokens,), jnp.float32), sds((32, 8, 6, 128), jnp.float32))
 
         def fn(*args):

@@ -353,3 +353,35 @@ def test_rope_write_gives_the_unfused_step(kind, num_tokens, stacked):
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_rope_write_finishes_the_one_token_qkv_gemv(stacked, monkeypatch):
+    """The GPU's path at one FP8 token (the kernels in interpret mode, the GEMVs' K split in
+    two): each layer's qkv GEMV reaches the rope and KV write unfinished (its partial products
+    and its input norm's sums of squares, a quant.SplitProduct), and the step's logits and
+    caches are the unfused write's within its roundings."""
+    from jaxllm.models.attention import RopeKVWrite
+    from pallas_kernels import kv_write
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv", functools.partial(
+        fp8_gemv.fp8_gemv, interpret=True, block_k=32, splits=2))
+    finished_inside, real = [], kv_write.rope_write_kv
+
+    def recorded(*args, splits=None, **kw):
+        finished_inside.append(splits is not None and splits[0] is not None)
+        return real(*args, splits=splits, **kw)
+    monkeypatch.setattr(kv_write, "rope_write_kv", recorded)
+    params = make_params("fp8")
+    if stacked:
+        params = stack_layers(params)
+    cache, batch = step(1)
+    want, want_cache = transformer.forward(params, cache, batch, args=ARGS)
+    got, got_cache = transformer.forward(params, cache, batch, args=ARGS,
+                                         write_kv=RopeKVWrite(interpret=True))
+    assert finished_inside == [True] * ARGS.num_layers
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-2)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2 ** -7, atol=2 ** -7)

@@ -9,7 +9,7 @@ from typing import Callable
 import jax
 
 from jaxllm.models.layer_stacks import in_place
-from jaxllm.models.quant import ScaledProduct
+from jaxllm.models.quant import ScaledProduct, SplitProduct
 from pallas_kernels import kv_write, ragged_paged_attention
 
 
@@ -39,12 +39,17 @@ class RopeKVWrite:
         return kv_write.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def rope_write(self, k_cache, v_cache, qkv, cos, sin, slot_mapping):
-        """qkv [T, Hkv, G + 2, D] (or an FP8 GEMM's quant.ScaledProduct of it, scaled in the
-        kernel), cos, sin [T, 1, D / 2] -> (q [T, Hq, D] roped, caches)."""
+        """qkv [T, Hkv, G + 2, D], or an FP8 projection's unfinished output (a W8A8 GEMM's
+        quant.ScaledProduct, a K-split GEMV's quant.SplitProduct) finished in the kernel; cos,
+        sin [T, 1, D / 2] -> (q [T, Hq, D] roped, caches)."""
         kw = {}
         if isinstance(qkv, ScaledProduct):
             w_scale, layer = in_place(qkv.w_scale)
             kw = dict(product_scales=(qkv.x_scale[:, 0], w_scale), dtype=qkv.dtype, layer=layer)
             qkv = qkv.y
+        elif isinstance(qkv, SplitProduct):
+            parts, sumsq = qkv.splits
+            kw = dict(splits=(sumsq, qkv.k, qkv.eps), dtype=qkv.dtype)
+            qkv = parts.reshape(*parts.shape[:2], *qkv.out_shape)
         return kv_write.rope_write_kv(k_cache, v_cache, qkv, cos, sin, slot_mapping,
                                       interpret=self.interpret, **kw)

@@ -276,12 +276,31 @@ def has_gemv_weights(params) -> bool:
     return any(isinstance(leaf, kinds) for leaf in leaves)
 
 
+@dataclass(frozen=True)
+class SplitProduct:
+    """An FP8 GEMV's output before the end of its K split (fp8_gemv.Splits: the splits' fp32
+    products and, with the input norm, their sums of x^2), for a consumer kernel that finishes
+    it as it reads (the rope and KV write, models/attention.py), where the end was a kernel of
+    its own; k, eps: the GEMV's K and norm epsilon, out_shape: w's output axes."""
+    splits: fp8_gemv.Splits
+    k: int
+    eps: float
+    dtype: object
+    out_shape: tuple
+
+    def value(self) -> jax.Array:
+        """The projection's output [T, *out] in its dtype, as the GEMV's wrapper ends it."""
+        y = fp8_gemv.finish_splits(self.splits, self.k, self.eps, self.dtype)
+        return y.reshape(y.shape[0], *self.out_shape)
+
+
 def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0,
-              swiglu: bool = False) -> jax.Array:
+              swiglu: bool = False, keep_splits: bool = False):
     """x [T, K] @ w -> [T, *out] by the GEMV kernel (its reference off the GPU), w's output
     axes flattened (free on one device); given norm_weight, x RMS-normalised first, in the
     kernel; with swiglu x is [T, 2K], gate then up, and the operand silu(gate) * up. A stacked
-    scale or norm weight (layer_stacks.Row) is read in place."""
+    scale or norm weight (layer_stacks.Row) is read in place. keep_splits: a K-split GEMV's
+    output may come back as a SplitProduct."""
     out_shape = w.values.shape[:-1]
     values = w.values.reshape(-1, w.values.shape[-1])
     if jax.default_backend() != "gpu":
@@ -291,7 +310,10 @@ def _fp8_gemv(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0,
     (scale, scale_layer), (norm, norm_layer) = in_place(w.scale), in_place(norm_weight)
     layer = _one_layer(scale_layer, norm_layer)
     scale = scale.reshape(*scale.shape[:scale.ndim - len(out_shape)], -1)  # [(L,) N]
-    y = fp8_gemv.fp8_gemv(x, values, scale, norm, eps=eps, layer=layer, swiglu=swiglu)
+    y = fp8_gemv.fp8_gemv(x, values, scale, norm, eps=eps, layer=layer, swiglu=swiglu,
+                          keep_splits=keep_splits)
+    if isinstance(y, fp8_gemv.Splits):
+        return SplitProduct(y, values.shape[1], eps, x.dtype, out_shape)
     return y.reshape(x.shape[0], *out_shape)
 
 
@@ -312,10 +334,11 @@ def norm_linear(x: jax.Array, norm_weight, eps: float, w,
     x: XLA then makes the sum of squares and x times the norm's weight one fusion, where the
     reduction and the scaling of x were a launch-bound kernel each, and folds the RMS into the
     product's consumers. quantized: x's norm already quantised (residual_norm_quant's);
-    unscaled: an FP8 W8A8 product may come back as a ScaledProduct (its consumer scales it)."""
+    unscaled: an FP8 product may come back unfinished, a ScaledProduct (W8A8) or a
+    SplitProduct (the GEMV), for its consumer's kernel to finish."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x):
         if norm_weight.dtype == x.dtype:
-            return _fp8_gemv(x, w, norm_weight, eps)
+            return _fp8_gemv(x, w, norm_weight, eps, keep_splits=unscaled)
     elif isinstance(w, Fp8Weight):
         return _fp8_w8a8(x, w, norm_weight, eps, quantized=quantized, unscaled=unscaled)
     if x.shape[0] > GEMV_MAX_TOKENS:
