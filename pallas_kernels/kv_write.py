@@ -2,8 +2,10 @@
 per KV head: the cache is head-major, [N, Hkv, P, D] (ragged_paged_attention.py).
 
 The rope and KV write (`rope_write_kv`): from the fused QKV GEMM's output, q roped out and k
-roped and v into their slots, one kernel. Alone, XLA makes three of it (the K scatter with k's
-rope inside, the V scatter, q's rope), each a launch in a decode step of ~10 kernels a layer."""
+roped and v into their slots, one kernel, an FP8 projection's unfinished output (its scales,
+or its K split's sum and norm) finished as it is read. Alone, XLA makes three of it or more
+(the K scatter with k's rope inside, the V scatter, q's rope, the product's end), each a launch
+in a decode step of ~10 kernels a layer."""
 
 from __future__ import annotations
 
