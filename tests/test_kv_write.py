@@ -74,6 +74,15 @@ def random_rope_step(seed, num_tokens, num_live, group=3, cache_dtype=jnp.bfloat
     return k_cache.astype(cache_dtype), v_cache.astype(cache_dtype), qkv, cos, sin, slots
 
 
+def assert_rope_write_close(got, want):
+    """(q, k_cache, v_cache) within one bf16 rounding (the caches past block 0, padding's)."""
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if g.ndim == 4:
+            g, w = g[1:], w[1:]
+        np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7)
+
+
 def test_rope_reference_is_hf_rotate_half():
     _, _, qkv, cos, sin, _ = random_rope_step(3, 5, 5, dtype=jnp.float32)
     x = np.asarray(qkv[:, :, 0], np.float64)  # [T, H, D]
@@ -135,11 +144,7 @@ def test_rope_write_scales_an_fp8_product_first(stacked):
     scaled = (qkv * row[:, None, None, None] * col).astype(jnp.bfloat16)
     want = rope_write_kv_reference(*caches, scaled, cos, sin, slots)
     assert got[0].dtype == jnp.bfloat16
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g, np.float32)[1:] if g.ndim == 4 else
-                                   np.asarray(g, np.float32),
-                                   np.asarray(w, np.float32)[1:] if w.ndim == 4 else
-                                   np.asarray(w, np.float32), rtol=2 ** -7, atol=2 ** -7)
+    assert_rope_write_close(got, want)
     unscaled = rope_write_kv(*caches, qkv, cos, sin, slots, interpret=True)
     assert not np.allclose(np.asarray(unscaled[0], np.float32), np.asarray(got[0], np.float32),
                            atol=0.1)
@@ -160,12 +165,9 @@ def test_rope_write_finishes_a_k_split_gemv(norm):
     want = rope_write_kv_reference(k_cache, v_cache, finished.reshape(qkv.shape), cos, sin, slots)
     ref = rope_write_kv_reference(k_cache, v_cache, parts, cos, sin, slots,
                                   splits=(sumsq, 64, 1e-5), dtype=jnp.bfloat16)
-    for g, w, r in zip(got, want, ref):
-        g, w, r = (np.asarray(a, np.float32) for a in (g, w, r))
-        if g.ndim == 4:  # caches: block 0 is padding's
-            g, w, r = g[1:], w[1:], r[1:]
-        np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7)
-        np.testing.assert_array_equal(r, w)
+    assert_rope_write_close(got, want)
+    for r, w in zip(ref, want):
+        np.testing.assert_array_equal(np.asarray(r, np.float32), np.asarray(w, np.float32))
     one_split = rope_write_kv(k_cache, v_cache, parts[:1], cos, sin, slots,
                               splits=(None if sumsq is None else sumsq[:1], 64, 1e-5),
                               dtype=jnp.bfloat16, interpret=True)

@@ -97,10 +97,9 @@ def _attention_block(layer: dict, x: jax.Array, k_cache, v_cache, batch: StepBat
     # float8 pages hold k / k_scale and v / v_scale, q @ k = (q * k_scale) @ pages' k, and
     # p @ v = (p @ pages' v) * v_scale.
     scaled = "k_scale" in layer and k_cache.dtype == jnp.float8_e4m3fn
-    # the KV write's own rope (models/attention.py), an FP8 qkv's scales inside it too
-    rope_write = getattr(write_kv, "rope_write", None)
-    if args.qk_norm or scaled:
-        rope_write = None
+    # the KV write's own rope where the layer's is plain (models/attention.py), an FP8 qkv
+    # finished inside it too
+    rope_write = None if args.qk_norm or scaled else getattr(write_kv, "rope_write", None)
     qkv = _qkv(layer, x, args, lora, quantized, unscaled=rope_write is not None)
     if rope_write is not None:
         q, k_cache, v_cache = rope_write(k_cache, v_cache, qkv, cos, sin, batch.slot_mapping)
