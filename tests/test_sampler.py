@@ -205,6 +205,25 @@ def test_filters_never_emit_disallowed_tokens(kwargs):
         assert stat < 3 * cells + 10, (i, stat, cells)
 
 
+def test_min_p_keeps_the_softmax_threshold_set():
+    """apply_min_p's logit threshold keeps exactly the tokens whose float64 softmax probability
+    is at least min_p times the row's top one (rows with masked -inf tokens, min_p 0 and 1),
+    away from the boundary's rounding."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 4.0, (7, V)).astype(np.float32)
+    logits[1, rng.choice(V, 20, replace=False)] = -np.inf
+    min_p = np.array([0.0, 0.0, 0.05, 0.1, 0.3, 0.9, 1.0], np.float32)
+    kept = np.isfinite(np.asarray(sampler.apply_min_p(jnp.asarray(logits), jnp.asarray(min_p))))
+    probs = np_softmax(logits)
+    ratio = probs / probs.max(-1, keepdims=True)
+    clear = np.abs(np.log(ratio) - np.log(np.maximum(min_p, 1e-30))[:, None]) > 1e-4
+    want = (ratio >= min_p[:, None]) & np.isfinite(logits)
+    assert np.array_equal(kept[clear], want[clear])
+    assert kept[0].sum() == V and kept[1].sum() == V - 20  # min_p 0 drops only -inf
+    assert kept[6].sum() == 1 and kept[6, logits[6].argmax()]
+    assert 1 < kept[3].sum() < V  # the threshold cuts inside the row
+
+
 def test_top_k_keeps_ties_at_the_boundary_and_nothing_below():
     row = np.array([5.0, 4.0, 4.0, 4.0, 1.0] + [0.0] * (V - 5), np.float32)
     params = SamplingParams(top_k=2)

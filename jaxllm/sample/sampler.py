@@ -123,10 +123,11 @@ def mask_ids(logits: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Drops tokens whose probability is below min_p [S] times the row's top probability."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    threshold = min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    return jnp.where(probs >= threshold, logits, -jnp.inf)
+    """Drops tokens whose probability is below min_p [S] times the row's top probability, as a
+    threshold on the logits (p >= min_p p_max <=> logit - max logit >= log min_p): no softmax,
+    whose exponentials and sum were two passes over [S, V] more (min_p 0 keeps every token)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.where(logits - top >= jnp.log(min_p)[:, None], logits, -jnp.inf)
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
