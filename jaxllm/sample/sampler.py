@@ -124,8 +124,8 @@ def mask_ids(logits: jax.Array, ids: jax.Array) -> jax.Array:
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     """Drops tokens whose probability is below min_p [S] times the row's top probability, as a
-    threshold on the logits (p >= min_p p_max <=> logit - max logit >= log min_p): no softmax,
-    whose exponentials and sum were two passes over [S, V] more (min_p 0 keeps every token)."""
+    threshold on the logits (p >= min_p p_max <=> logit - max logit >= log min_p): a softmax's
+    exponentials and sum would cost two more passes over [S, V]. min_p 0 keeps every token."""
     top = jnp.max(logits, axis=-1, keepdims=True)
     return jnp.where(logits - top >= jnp.log(min_p)[:, None], logits, -jnp.inf)
 
