@@ -234,6 +234,9 @@ def rope_write_kv(k_cache, v_cache, qkv, cos, sin, slot_mapping, *, k_scale: flo
         if sumsq is not None and sumsq.shape != qkv.shape[:2]:
             raise ValueError(f"splits' sums of squares {sumsq.shape}: want {qkv.shape[:2]}")
         extra, source = ((), "splits") if sumsq is None else ((sumsq,), "splits+norm")
+    if source != "plain" and dtype is None:
+        raise ValueError("an unfinished qkv (product_scales or splits) needs dtype: the "
+                         "projection's output dtype, which q is written in")
     flat = (num_pages * num_kv_heads * page_size, head_dim)
     angles = (num_tokens, head_dim // 2)
     inputs = (slot_mapping, qkv, cos.reshape(angles).astype(jnp.float32),

@@ -185,6 +185,9 @@ def test_rope_write_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="stacked"):  # a stack without its row
         rope_write_kv(k_cache, v_cache, qkv, cos, sin, slots, interpret=True,
                       product_scales=(jnp.ones(4, jnp.float32), stack))
+    with pytest.raises(ValueError, match="needs dtype"):  # an fp32 product, q's dtype unsaid
+        rope_write_kv(k_cache, v_cache, qkv[None].astype(jnp.float32), cos, sin, slots,
+                      splits=(None, 64, 1e-5), interpret=True)
 
 
 @pytest.mark.parametrize("num_tokens,scaled,dtype,head_dim", [

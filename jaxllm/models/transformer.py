@@ -65,7 +65,8 @@ def _qkv(layer: dict, x: jax.Array, args: ModelArgs, lora: TokenLoRA | None = No
     then its k and v): the input norm and one GEMM over the fused wqkv (models/fused.py), the
     norm in the GEMM where it fits (or x's norm already quantised:
     quant.residual_norm_quant's). A layer without an input norm (EAGLE's draft layer) reads x
-    as it is. unscaled: an FP8 W8A8 GEMM's qkv may come as its quant.ScaledProduct."""
+    as it is. unscaled: an FP8 qkv may come unfinished, a W8A8 GEMM's quant.ScaledProduct or
+    a K-split GEMV's quant.SplitProduct (quant.norm_linear)."""
     if lora is None and "attn_norm" in layer:
         qkv = norm_linear(x, layer["attn_norm"], args.rms_norm_eps, layer["wqkv"], quantized,
                           unscaled=unscaled and "bqkv" not in layer)
