@@ -1,7 +1,9 @@
 """Where a step's time goes on the GPU: a jax.profiler trace of engine steps, summed per GPU
-kernel, against the wall time of the same steps. Decode steps at a fixed batch (--batch), or
-windows of an offline throughput run (--workload IN,OUT,PROMPTS --window START ...: trace
---steps steps from step START on; early windows hold the chunked prefills, late ones decode).
+kernel, and the time in which any kernel ran (`busy_us_per_step`), against the wall time of
+the same steps: the difference is the GPU idle between and around the kernels. Decode steps
+at a fixed batch (--batch), or windows of an offline throughput run (--workload IN,OUT,PROMPTS
+--window START ...: trace --steps steps from step START on; early windows hold the chunked
+prefills, late ones decode).
 
     python benchmarks/profile_decode.py --out DIR [--batch 1 --batch 64]
     python benchmarks/profile_decode.py --out DIR --workload 200,180,1000 --window 20 --window 400
@@ -52,20 +54,41 @@ def annotated_gpu_events(trace_dir: str, prefix: str) -> dict[str, tuple[float, 
             for name, (start, end) in windows.items()}
 
 
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: time in which at least one ran."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
+    """Per process of the trace, per step: the events' summed us by name (the top ones) and
+    their count; per GPU, the us in which any event of its streams ran, so that the step's wall
+    less that is the time the GPU sat idle (launch gaps, waits for the host)."""
     path, events, process = read_trace(trace_dir)
     per_process = defaultdict(lambda: defaultdict(float))  # process -> event name -> us
     events_of = defaultdict(int)  # process -> events
+    spans = defaultdict(list)  # GPU process -> its streams' events' (start, end)
+    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     for e in events:
         if e.get("ph") == "X":
             name = process.get(e["pid"], str(e["pid"]))
             per_process[name][e["name"][:90]] += e.get("dur", 0)
             events_of[name] += 1
+            if (name.startswith("/device:GPU")
+                    and thread.get((e["pid"], e.get("tid")), "").startswith("Stream")):
+                spans[name].append((e["ts"], e["ts"] + e.get("dur", 0)))
     return {"trace": path, **{
         f"top_us_per_step {name}": [(k, round(v / num_steps, 1)) for k, v in
                                     sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
         for name, by_name in per_process.items()}, **{
-        f"events_per_step {name}": round(n / num_steps, 1) for name, n in events_of.items()}}
+        f"events_per_step {name}": round(n / num_steps, 1) for name, n in events_of.items()}, **{
+        f"busy_us_per_step {name}": round(busy_us(s) / num_steps, 1)
+        for name, s in spans.items()}}
 
 
 def profile_workload(engine, workload: str, windows: list[int], num_steps: int, out: str,
