@@ -5,7 +5,10 @@ kernels, ~190 of them Pallas (Triton) kernels, and its kernels are busy for ~2.1
 
 jax 0.11.2 launches with PDL only XLA's Triton GEMM fusions (and the fusion after each) and
 Mosaic GPU kernels that call `plgpu.griddepcontrol_wait` (the lowering marks them
-`mosaic_gpu.uses_pdl`); a Pallas Triton kernel has no way to ask for it. Each variant below
+`mosaic_gpu.uses_pdl`); a Pallas Triton kernel has no way to ask for it. XLA puts a chain of
+Triton kernels into one command buffer (a CUDA graph) and leaves a chain of Mosaic GPU kernels
+out of it (their thunks stay custom calls), so the Mosaic rows also show a launch from the
+host against one from a graph. Each variant below
 chains CHAIN dependent calls of one tiny kernel (x * 2 + 1, 4 x 256 f32 a program) in one jit:
 
   triton        the Pallas Triton kernel
