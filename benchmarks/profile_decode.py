@@ -35,20 +35,27 @@ def read_trace(trace_dir: str, pattern: str = "*.trace.json.gz") -> tuple[str, l
     return path, events, process
 
 
+def gpu_stream_events(events: list, process: dict):
+    """A test of a trace event: whether it ran on a GPU's stream (a kernel or a copy), not on
+    the GPU's other lines (XLA's modules and ops, which span kernels)."""
+    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return lambda e: (process.get(e["pid"], "").startswith("/device:GPU")
+                      and thread.get((e["pid"], e.get("tid")), "").startswith("Stream"))
+
+
 def annotated_gpu_events(trace_dir: str, prefix: str) -> dict[str, tuple[float, list]]:
     """Each host annotation named prefix + NAME in jax's Perfetto trace -> (its duration in us,
     the GPU stream events (kernels, copies) whose midpoint falls inside it, as (name, us))."""
     _, events, process = read_trace(trace_dir, "perfetto_trace.json.gz")
-    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    on_stream = gpu_stream_events(events, process)
     windows, gpu = {}, []
     for e in events:
         if e.get("ph") != "X":
             continue
         if e["name"].startswith(prefix):
             windows[e["name"][len(prefix):]] = (e["ts"], e["ts"] + e["dur"])
-        elif (process.get(e["pid"], "").startswith("/device:GPU")
-              and thread.get((e["pid"], e["tid"]), "").startswith("Stream")):
+        elif on_stream(e):
             gpu.append((e["ts"] + e["dur"] / 2, e["name"], e["dur"]))
     return {name: (end - start, [(kernel, dur) for mid, kernel, dur in gpu if start <= mid <= end])
             for name, (start, end) in windows.items()}
@@ -72,15 +79,13 @@ def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
     per_process = defaultdict(lambda: defaultdict(float))  # process -> event name -> us
     events_of = defaultdict(int)  # process -> events
     spans = defaultdict(list)  # GPU process -> its streams' events' (start, end)
-    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    on_stream = gpu_stream_events(events, process)
     for e in events:
         if e.get("ph") == "X":
             name = process.get(e["pid"], str(e["pid"]))
             per_process[name][e["name"][:90]] += e.get("dur", 0)
             events_of[name] += 1
-            if (name.startswith("/device:GPU")
-                    and thread.get((e["pid"], e.get("tid")), "").startswith("Stream")):
+            if on_stream(e):
                 spans[name].append((e["ts"], e["ts"] + e.get("dur", 0)))
     return {"trace": path, **{
         f"top_us_per_step {name}": [(k, round(v / num_steps, 1)) for k, v in

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from profile_decode import read_trace  # noqa: E402
+from profile_decode import gpu_stream_events, read_trace  # noqa: E402
 
 SQRT_HALF = 0.7071067811865476
 VARIANTS = {
@@ -42,12 +42,10 @@ VARIANTS = {
 def gpu_kernels_us(trace_dir: str) -> dict[str, float]:
     """Kernel name -> total us on the GPU's streams in the trace."""
     _, events, process = read_trace(trace_dir, "perfetto_trace.json.gz")
-    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    on_stream = gpu_stream_events(events, process)
     totals = defaultdict(float)
     for e in events:
-        if (e.get("ph") == "X" and process.get(e["pid"], "").startswith("/device:GPU")
-                and thread.get((e["pid"], e["tid"]), "").startswith("Stream")):
+        if e.get("ph") == "X" and on_stream(e):
             totals[e["name"][:60]] += e["dur"]
     return totals
 
