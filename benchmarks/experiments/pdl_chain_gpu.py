@@ -14,6 +14,8 @@ host against one from a graph. Each variant below chains CHAIN dependent calls o
 kernel (`reference`: 3 - x, 4 x 256 f32 a program) in one jit:
 
   triton        the Pallas Triton kernel
+  triton_trigger  the same, letting its dependents launch first thing (the instruction as
+                inline assembly); XLA has put the wait at its start
   mosaic        the Pallas Mosaic GPU kernel: copy in with TMA, compute, copy out
   mosaic_pdl    the same, waiting for its predecessor (griddepcontrol.wait) before its first
                 read and letting its dependents launch (griddepcontrol.launch_dependents)
@@ -44,6 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 BLOCK = (4, 256)  # f32 elements a program (TMA copies at most 256 along a dimension)
 CHAIN = 256  # even: the chain is the identity
 REPEATS = 20
+TRIGGER = "griddepcontrol.launch_dependents"
 
 
 def reference(x):
@@ -51,16 +54,21 @@ def reference(x):
     return 3.0 - x
 
 
-def triton_step(x: jax.Array) -> jax.Array:
+def triton_step(x: jax.Array, trigger: bool) -> jax.Array:
     def body(x_ref, o_ref):
-        o_ref[...] = reference(x_ref[...])
+        v = x_ref[...]
+        if trigger:  # dependents may launch now (the instruction, and v passed through)
+            v, = pltriton.elementwise_inline_asm(
+                f"{TRIGGER}; mov.b32 $0, $1;", args=[v], constraints="=r,r", pack=1,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, v.dtype)])
+        o_ref[...] = reference(v)
 
     return pl.pallas_call(
         body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // BLOCK[0],),
         in_specs=[pl.BlockSpec(BLOCK, lambda i: (i, 0))],
         out_specs=pl.BlockSpec(BLOCK, lambda i: (i, 0)),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        name="chain_triton")(x)
+        name="chain_triton_trigger" if trigger else "chain_triton")(x)
 
 
 def mosaic_step(x: jax.Array, pdl: bool) -> jax.Array:
@@ -87,7 +95,9 @@ def xla_step(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(reference(x))
 
 
-VARIANTS = {"triton": triton_step, "mosaic": functools.partial(mosaic_step, pdl=False),
+VARIANTS = {"triton": functools.partial(triton_step, trigger=False),
+            "triton_trigger": functools.partial(triton_step, trigger=True),
+            "mosaic": functools.partial(mosaic_step, pdl=False),
             "mosaic_pdl": functools.partial(mosaic_step, pdl=True), "xla": xla_step}
 
 
