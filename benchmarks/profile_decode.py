@@ -1,6 +1,11 @@
 """Where a step's time goes on the GPU: a jax.profiler trace of engine steps, summed per GPU
-kernel, and the time in which any kernel ran (`busy_us_per_step`), against the wall time of
-the same steps: the difference is the GPU idle between and around the kernels. Decode steps
+kernel (the top ones by name, and every kernel by kind: `kind_us_per_step`, whose total is
+`kernel_us_per_step`), and the time in which any kernel ran (`busy_us_per_step`), against the
+wall time of the same steps. XLA runs a traced program thunk by thunk unless it is told to keep
+its CUDA graphs (`--xla_enable_command_buffers_during_profiling`, set here), so the traced steps
+launch as the untraced ones do. With programmatic dependent launch (XLA's default on Hopper) a
+kernel's interval starts at its launch, in its wait for the kernel before it, so the busy time
+counts those waits too: it bounds the idle time from below. Decode steps
 at a fixed batch (--batch), or windows of an offline throughput run (--workload IN,OUT,PROMPTS
 --window START ...: trace --steps steps from step START on; early windows hold the chunked
 prefills, late ones decode).
@@ -18,7 +23,10 @@ import glob
 import gzip
 import json
 import os
+import re
 from collections import defaultdict
+
+KEEP_GRAPHS = "--xla_enable_command_buffers_during_profiling=true"
 
 
 def read_trace(trace_dir: str, pattern: str = "*.trace.json.gz") -> tuple[str, list, dict]:
@@ -71,14 +79,22 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def kernel_kind(name: str) -> str:
+    """A kernel's name without the numbers XLA appends to tell copies apart (one per layer):
+    fp8_gemv__12 and loop_add_fusion_63 are fp8_gemv and loop_add_fusion."""
+    return re.sub(r"(_+\d+)+$", "", name)
+
+
 def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
     """Per process of the trace, per step: the events' summed us by name (the top ones) and
-    their count; per GPU, the us in which any event of its streams ran, so that the step's wall
-    less that is the time the GPU sat idle (launch gaps, waits for the host)."""
+    their count; per GPU, its streams' events summed by kind (all of them) and in total, and the
+    us in which any of them ran, so that the step's wall less that is the time the GPU sat idle
+    (launch gaps, waits for the host)."""
     path, events, process = read_trace(trace_dir)
     per_process = defaultdict(lambda: defaultdict(float))  # process -> event name -> us
     events_of = defaultdict(int)  # process -> events
     spans = defaultdict(list)  # GPU process -> its streams' events' (start, end)
+    kinds = defaultdict(lambda: defaultdict(float))  # GPU process -> kernel kind -> us
     on_stream = gpu_stream_events(events, process)
     for e in events:
         if e.get("ph") == "X":
@@ -87,7 +103,13 @@ def kernel_summary(trace_dir: str, num_steps: int, top: int = 25) -> dict:
             events_of[name] += 1
             if on_stream(e):
                 spans[name].append((e["ts"], e["ts"] + e.get("dur", 0)))
+                kinds[name][kernel_kind(e["name"][:90])] += e.get("dur", 0)
     return {"trace": path, **{
+        f"kind_us_per_step {name}": [(k, round(v / num_steps, 1)) for k, v in
+                                     sorted(by_kind.items(), key=lambda kv: -kv[1])]
+        for name, by_kind in kinds.items()}, **{
+        f"kernel_us_per_step {name}": round(sum(by_kind.values()) / num_steps, 1)
+        for name, by_kind in kinds.items()}, **{
         f"top_us_per_step {name}": [(k, round(v / num_steps, 1)) for k, v in
                                     sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
         for name, by_name in per_process.items()}, **{
@@ -151,6 +173,7 @@ def _random_adapters(model: str, rank: int, count: int, out: str) -> list:
 
 
 def main() -> None:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {KEEP_GRAPHS}".strip()
     import jax
 
     from jaxllm import LLM

@@ -47,3 +47,23 @@ def test_busy_time_is_the_union_of_the_streams_events(tmp_path):
 def test_busy_us_merges_nested_and_touching_intervals():
     assert profile_decode.busy_us([]) == 0
     assert profile_decode.busy_us([(0, 10), (2, 3), (10, 12), (20, 21)]) == 13
+
+
+def test_every_kernel_counts_by_kind(tmp_path):
+    events = [
+        _meta("process_name", 1, "/device:GPU:0"),
+        _meta("thread_name", 1, "Stream #13(Compute)", tid=7),
+        _meta("thread_name", 1, "XLA Ops", tid=9),
+        _span(1, 7, "fp8_gemv", 0, 4), _span(1, 7, "fp8_gemv__12", 4, 6),
+        _span(1, 7, "loop_add_fusion_63", 10, 2), _span(1, 7, "memcpy32_post", 12, 1),
+        _span(1, 9, "fp8_gemv", 0, 10),  # the op's line, not a kernel
+    ]
+    path = tmp_path / "plugins" / "profile" / "run"
+    path.mkdir(parents=True)
+    with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = profile_decode.kernel_summary(str(tmp_path), num_steps=1, top=1)
+    assert summary["kind_us_per_step /device:GPU:0"] == [
+        ("fp8_gemv", 10.0), ("loop_add_fusion", 2.0), ("memcpy32_post", 1.0)]
+    assert summary["kernel_us_per_step /device:GPU:0"] == 13.0
+    assert len(summary["top_us_per_step /device:GPU:0"]) == 1  # the top by name: cut at `top`
