@@ -385,3 +385,42 @@ def test_rope_write_finishes_the_one_token_qkv_gemv(stacked, monkeypatch):
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_rope_write_finishes_the_one_token_int4_qkv_gemv(stacked, monkeypatch):
+    """The GPU's path at one int4 token (the kernels in interpret mode, the GEMVs' K split in
+    two: a hidden size of two 128-row chunks): each layer's qkv GEMV reaches the rope and KV
+    write unfinished (its partial products and the norm's sums of squares, one a token), where
+    XLA summed them in a kernel of its own, and the step's logits and caches are the unfused
+    write's within its roundings."""
+    from jaxllm.models.attention import RopeKVWrite
+    from pallas_kernels import kv_write
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(int4_gemv, "int4_gemv", functools.partial(
+        int4_gemv.int4_gemv, interpret=True, splits=2))
+    finished_inside, real = [], kv_write.rope_write_kv
+
+    def recorded(*args, splits=None, **kw):
+        finished_inside.append(splits is not None and splits[0].shape[0] == 1)
+        return real(*args, splits=splits, **kw)
+    monkeypatch.setattr(kv_write, "rope_write_kv", recorded)
+    args = dataclasses.replace(ARGS, hidden_size=256, intermediate_size=512)
+    params = make_params("int4", args=args)
+    if stacked:
+        params = stack_layers(params)
+    cache, batch = step(1)
+    want, want_cache = transformer.forward(params, cache, batch, args=args)
+    got, got_cache = transformer.forward(params, cache, batch, args=args,
+                                         write_kv=RopeKVWrite(interpret=True))
+    assert finished_inside == [True] * args.num_layers
+    # one rounding of q, k and v where the unfused step rounds twice; the int4 GEMV's fp16
+    # sums move these logits (|max| ~1) as far from the exact product's (~1.3e-2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2.5e-2)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        # layer 0's k and v within a bf16 ulp of their largest; later layers' within 1/64 of
+        # it, as far as the exact product's step is from the GEMV's (0.07 at 5)
+        want_kv = np.asarray(b, np.float32)
+        np.testing.assert_allclose(np.asarray(a, np.float32), want_kv, rtol=0,
+                                   atol=2 ** -6 * np.abs(want_kv).max())
