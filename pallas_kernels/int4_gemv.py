@@ -50,7 +50,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import quant_matmul
-from pallas_kernels.fp8_gemv import Splits
 from pallas_kernels.half2 import pow2_scale, widen
 from pallas_kernels.ptx import asm
 from pallas_kernels.quant_matmul import CHUNK_ROWS
@@ -212,17 +211,15 @@ def default_splits(n: int, k: int, block_n: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "block_n", "splits", "num_warps",
-                                             "num_stages", "keep_splits", "interpret"))
+                                             "num_stages", "interpret"))
 def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Array, *,
               layer: int | None = None, block_n: int | None = None, splits: int | None = None,
               num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = 3,
-              keep_splits: bool = False, interpret: bool = False) -> jax.Array | Splits:
+              interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `int4_gemv_reference`'s contract. block_n: columns a program
     (a power of two, at least 16; default DEFAULT_BLOCK_N); splits: K ranges (default
     default_splits, a count leaving a range empty lowered to the fewest of the same length);
-    num_warps, num_stages: Triton's. layer: the row of stacked scales and zeros. keep_splits:
-    a K-split call returns its fp32 partial products [S, M, N] as fp8_gemv.Splits (no sums of
-    squares), for a consumer kernel to sum."""
+    num_warps, num_stages: Triton's. layer: the row of stacked scales and zeros."""
     group = quant_matmul._check(x, qweight, scales, zeros, layer)
     if group not in (32, 64) and group % CHUNK_ROWS:
         raise ValueError(f"group size {group}: 32, 64 or a multiple of {CHUNK_ROWS}")
@@ -243,6 +240,4 @@ def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Ar
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="int4_gemv",
     )(x, qweight, scales, zeros)
-    if splits == 1:
-        return out[0]
-    return Splits(out, None) if keep_splits else sum_splits(out).astype(x.dtype)
+    return out[0] if splits == 1 else sum_splits(out).astype(x.dtype)

@@ -122,10 +122,9 @@ def rope_write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, qkv: jax.Arr
     finished to `dtype` (the projection's output) before the rope:
     - product_scales: an FP8 GEMM's product before its scales (per token [T], per channel
       [Hkv, G + 2, D]), applied in fp32;
-    - splits = (sumsq [S', T] or None, k, eps): qkv is [S, T, Hkv, G + 2, D], a K-split GEMV's
+    - splits = (sumsq [S, T] or None, k, eps): qkv is [S, T, Hkv, G + 2, D], a K-split GEMV's
       fp32 partial products, finished as fp8_gemv.finish_splits (summed in split order, times
-      the RMS of x's rows over k when the GEMV took the input norm: sumsq its sums of x^2 in
-      S' parts, the GEMV's splits or one, the whole row)."""
+      the RMS of x's rows over k when the GEMV took the input norm)."""
     if product_scales is not None:
         row, col = product_scales
         qkv = (qkv.astype(jnp.float32) * row[:, None, None, None] * col).astype(dtype)
@@ -147,7 +146,7 @@ def _rope_write_kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, page_size, k_
     the rope's pairs. source: how qkv comes (rope_write_kv_reference's options): "plain";
     "scaled", refs then starting with the token and channel scales ([T] and
     [(L,) Hkv, G + 2, D], at row `layer`); "splits" (qkv [S, T, ...] fp32) or "splits+norm",
-    refs then starting with the sums of squares [S', T]. Then the caches (aliased to the
+    refs then starting with the sums of squares [S, T]. Then the caches (aliased to the
     outputs), q_ref and the caches' outputs."""
     lead = {"plain": 0, "scaled": 2, "splits": 0, "splits+norm": 1}[source]
     extra, (_, _, q_ref, k_cache_ref, v_cache_ref) = refs[:lead], refs[lead:]
@@ -167,8 +166,7 @@ def _rope_write_kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, page_size, k_
         col_row = prefix(col_ref, 3, layer)
     if source == "splits+norm":  # the RMS of each token's x, as the GEMV's wrapper takes it
         sumsq = functools.reduce(jnp.add, (pltriton.load(extra[0].at[s, token], mask=valid,
-                                                         other=0)
-                                           for s in range(extra[0].shape[0])))
+                                                         other=0) for s in range(num_splits)))
         rms = jax.lax.rsqrt(sumsq / split_k + eps)[:, None]
 
     def load(j, h):  # head j's half at h: [Bt, D / 2] as it comes
@@ -233,8 +231,8 @@ def rope_write_kv(k_cache, v_cache, qkv, cos, sin, slot_mapping, *, k_scale: flo
         extra, source = (row.astype(jnp.float32), col.astype(jnp.float32)), "scaled"
     if splits is not None:
         sumsq, split_k, eps = splits
-        if sumsq is not None and (sumsq.ndim != 2 or sumsq.shape[1] != num_tokens):
-            raise ValueError(f"splits' sums of squares {sumsq.shape}: want [S', {num_tokens}]")
+        if sumsq is not None and sumsq.shape != qkv.shape[:2]:
+            raise ValueError(f"splits' sums of squares {sumsq.shape}: want {qkv.shape[:2]}")
         extra, source = ((), "splits") if sumsq is None else ((sumsq,), "splits+norm")
     if source != "plain" and dtype is None:
         raise ValueError("an unfinished qkv (product_scales or splits) needs dtype: the "

@@ -96,17 +96,6 @@ def test_default_splits():
     assert gemv.default_splits(64, 384, 64) == 3 and gemv.default_splits(200, 128, 128) == 1
 
 
-def test_kept_splits_are_the_partial_products():
-    """keep_splits: the splits' fp32 partial products [S, M, N], whose sum is the product
-    (within check's bounds); one split has no partials to keep and returns the product."""
-    args, q = random_inputs(3, 2, 1024, 72, 128, jnp.bfloat16)
-    parts, sumsq = int4_gemv(*args, splits=4, block_n=32, keep_splits=True, interpret=True)
-    assert parts.shape == (4, 2, 72) and parts.dtype == jnp.float32 and sumsq is None
-    check(jnp.sum(parts, axis=0).astype(jnp.bfloat16), args, q)
-    whole = int4_gemv(*args, splits=1, keep_splits=True, interpret=True)
-    assert whole.shape == (2, 72) and whole.dtype == jnp.bfloat16
-
-
 @pytest.mark.parametrize("magnitude", [3e4, 1e-6])
 def test_rows_far_from_unit_scale_neither_overflow_nor_underflow(magnitude):
     """Rows whose products would pass fp16's 65504 (x ~ 3e4, n up to 15) or fall under its

@@ -278,11 +278,10 @@ def has_gemv_weights(params) -> bool:
 
 @dataclass(frozen=True)
 class SplitProduct:
-    """A GEMV's output before the end of its K split (fp8_gemv.Splits: the splits' fp32
-    products and, with the input norm, the sums of x^2: the FP8 GEMV's a split, the int4
-    path's one a token, [1, T]), for a consumer kernel that finishes it as it reads (the rope
-    and KV write, models/attention.py), where the end was a kernel of its own; k, eps: the
-    GEMV's K and norm epsilon, out_shape: w's output axes."""
+    """An FP8 GEMV's output before the end of its K split (fp8_gemv.Splits: the splits' fp32
+    products and, with the input norm, their sums of x^2), for a consumer kernel that finishes
+    it as it reads (the rope and KV write, models/attention.py), where the end was a kernel of
+    its own; k, eps: the GEMV's K and norm epsilon, out_shape: w's output axes."""
     splits: fp8_gemv.Splits
     k: int
     eps: float
@@ -336,8 +335,7 @@ def norm_linear(x: jax.Array, norm_weight, eps: float, w,
     reduction and the scaling of x were a launch-bound kernel each, and folds the RMS into the
     product's consumers. quantized: x's norm already quantised (residual_norm_quant's);
     unscaled: an FP8 product may come back unfinished, a ScaledProduct (W8A8) or a
-    SplitProduct (the GEMV), for its consumer's kernel to finish; so may an int4 GEMV's, a
-    SplitProduct whose sums of squares are the norm's, one a token."""
+    SplitProduct (the GEMV), for its consumer's kernel to finish."""
     if isinstance(w, Fp8Weight) and fp8_gemv_applies(x):
         if norm_weight.dtype == x.dtype:
             return _fp8_gemv(x, w, norm_weight, eps, keep_splits=unscaled)
@@ -347,14 +345,7 @@ def norm_linear(x: jax.Array, norm_weight, eps: float, w,
         return linear(rms_norm(x, norm_weight, eps), w)
     x32 = x.astype(jnp.float32)
     weighted = (x32 * value(norm_weight).astype(jnp.float32)).astype(x.dtype)
-    if unscaled and isinstance(w, Int4Weight):
-        y = _int4_linear(weighted, w, keep_splits=True)
-        if isinstance(y, fp8_gemv.Splits):  # the rope's kernel sums it and divides by the RMS
-            sumsq = jnp.sum(x32 * x32, axis=-1)[None]  # [1, T]: one "split" of the whole row
-            return SplitProduct(fp8_gemv.Splits(y.parts, sumsq), x.shape[-1], eps, x.dtype,
-                                w.qweight.shape[1:])
-    else:
-        y = linear(weighted, w)
+    y = linear(weighted, w)
     rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)  # [T]
     return (y.astype(jnp.float32) * rms.reshape(-1, *([1] * (y.ndim - 1)))).astype(y.dtype)
 
@@ -429,11 +420,9 @@ def on_one_device() -> bool:
     return mesh.empty or mesh.size == 1
 
 
-def _int4_linear(x: jax.Array, w: Int4Weight, keep_splits: bool = False):
-    """keep_splits: on one device, a K-split GEMV's partial products may come back as
-    fp8_gemv.Splits [S, T, N] (N w's output axes flattened)."""
+def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
     if not w.partition:
-        return _int4_local(x, w.qweight, w.scales, w.zeros, w.perm, keep_splits)
+        return _int4_local(x, w.qweight, w.scales, w.zeros, w.perm)
     # placed on a mesh: never stacked (layer_stacks is for one device)
     k_axis, out_axes = w.partition[0], w.partition[1:]
     rows = P(*w.partition)
@@ -452,10 +441,9 @@ def _int4_linear(x: jax.Array, w: Int4Weight, keep_splits: bool = False):
                          check_vma=False)(x, w.qweight, w.scales, w.zeros, *perm)
 
 
-def _int4_local(x, qweight, scales, zeros, perm=None, keep_splits: bool = False):
+def _int4_local(x, qweight, scales, zeros, perm=None) -> jax.Array:
     """One device's product: its rows of the packed matrix (K padded to qweight's rows);
-    scales, zeros and perm arrays or layer_stacks.Rows (the kernels read those in place).
-    keep_splits: as _int4_linear's."""
+    scales, zeros and perm arrays or layer_stacks.Rows (the kernels read those in place)."""
     if perm is not None:
         x = x[:, value(perm)]
     x = jnp.pad(x, ((0, 0), (0, 8 * qweight.shape[0] - x.shape[1])))
@@ -464,15 +452,10 @@ def _int4_local(x, qweight, scales, zeros, perm=None, keep_splits: bool = False)
         y = quant_matmul.int4_matmul_reference(x, flat(qweight), flat(value(scales)),
                                                flat(value(zeros)))
         return y.reshape(x.shape[0], *qweight.shape[1:])
+    matmul = int4_gemv.int4_gemv if x.shape[0] <= GEMV_MAX_TOKENS else quant_matmul.int4_matmul
     (scales, layer), (zeros, zeros_layer) = in_place(scales), in_place(zeros)
-    operands = (x, flat(qweight), flat(scales), flat(zeros))
-    if x.shape[0] <= GEMV_MAX_TOKENS:
-        y = int4_gemv.int4_gemv(*operands, layer=_one_layer(layer, zeros_layer),
-                                keep_splits=keep_splits)
-        if isinstance(y, fp8_gemv.Splits):
-            return y
-    else:
-        y = quant_matmul.int4_matmul(*operands, layer=_one_layer(layer, zeros_layer))
+    y = matmul(x, flat(qweight), flat(scales), flat(zeros),
+               layer=_one_layer(layer, zeros_layer))
     return y.reshape(x.shape[0], *qweight.shape[1:])
 
 
