@@ -2,12 +2,13 @@
 product's default tiles, so that `ncu` reads their hardware counters (what bounds a kernel that
 streams below the copy bandwidth: memory, issue, latency, occupancy).
 
-    ncu --clock-control none --set full -k regex:'ragged_paged|int4_gemv|fp8_gemv' \\
+    ncu --clock-control none --set full -k regex:'ragged_paged|int4_gemv|fp8_gemv|silu_mul' \\
         -o DIR/prof python benchmarks/experiments/ncu_kernels.py [--cases NAME ...]
 
 Cases: attention over 512 sequences x 1536 tokens of bf16 and of float8 pages (the decode
 bucket; float8 also at other tiles), and a prefill bucket's on float8 pages; the int4 (group
-128) and FP8 one-token GEMVs on the four projections. Every program is compiled before any
+128) and FP8 one-token GEMVs on the four projections; the FP8 MLP's SwiGLU quantisation
+(silu_mul_fp8's two kernels) at 512 and 2,048 tokens. Every program is compiled before any
 launches, and each case is launched once.
 """
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import fp8_gemv, int4_gemv  # noqa: E402
 from pallas_kernels.bench import HEADS, attn_args, random_batch  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
+from pallas_kernels.silu_mul_fp8 import silu_mul_fp8  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 
@@ -61,13 +63,23 @@ def gemv_case(weights: str, proj: str):
     return (lambda x, v, s, g: fp8_gemv.fp8_gemv(x, v, s)), (x, *w)
 
 
+def swiglu_case(tokens: int, width: int = 14336):
+    """The gate/up GEMM's unscaled bf16 product [T, 2I] and its token and channel scales."""
+    k = jax.random.split(jax.random.key(tokens), 3)
+    y = (jax.random.normal(k[0], (tokens, 2 * width)) * 300).astype(jnp.bfloat16)
+    x_scale = jax.random.uniform(k[1], (tokens,), minval=1e-4, maxval=1e-2)
+    w_scale = jax.random.uniform(k[2], (2 * width,), minval=1e-4, maxval=1e-2)
+    return silu_mul_fp8, (y, x_scale, w_scale)
+
+
 CASES = {"attn_bf16": lambda: attention_case("bf16"), "attn_fp8": lambda: attention_case("fp8"),
          **{f"attn_fp8_{name}": (lambda t=t: attention_case("fp8", **t)) for name, t in (
              ("k64", dict(block_k=64)), ("k256", dict(block_k=256)),
              ("s3", dict(block_k=128, num_stages=3)))},
          "mixed_fp8": mixed_case, "mixed_fp8_k64": lambda: mixed_case(decode_block_k=64),
          **{f"{w}_{p}": (lambda w=w, p=p: gemv_case(w, p))
-            for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")}}
+            for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")},
+         **{f"swiglu_{t}": (lambda t=t: swiglu_case(t)) for t in (512, 2048)}}
 
 
 def main() -> None:
