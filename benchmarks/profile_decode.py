@@ -5,10 +5,10 @@ wall time of the same steps. XLA runs a traced program thunk by thunk unless it 
 its CUDA graphs (`--xla_enable_command_buffers_during_profiling`, set here), so the traced steps
 launch as the untraced ones do. With programmatic dependent launch (XLA's default on Hopper) a
 kernel's interval starts at its launch, in its wait for the kernel before it, so the busy time
-counts those waits too: it bounds the idle time from below. Decode steps
-at a fixed batch (--batch), or windows of an offline throughput run (--workload IN,OUT,PROMPTS
---window START ...: trace --steps steps from step START on; early windows hold the chunked
-prefills, late ones decode).
+counts those waits too: it bounds the idle time from below. Decode steps at a fixed batch
+(--batch), or windows of an offline throughput run (--workload IN,OUT,PROMPTS --window START
+...: trace --steps steps from step START on; early windows hold the chunked prefills, late ones
+decode).
 
     python benchmarks/profile_decode.py --out DIR [--batch 1 --batch 64]
     python benchmarks/profile_decode.py --out DIR --workload 200,180,1000 --window 20 --window 400

@@ -1,5 +1,6 @@
-"""benchmarks/experiments/pdl_chain_gpu.py: only its PDL variant asks XLA for programmatic
-dependent launch, every variant lowers for an H200, and the Mosaic GPU kernel's copies and
+"""benchmarks/experiments/pdl_chain_gpu.py: only its Mosaic PDL variant asks for programmatic
+dependent launch in its lowering (`uses_pdl`; XLA gives Triton kernels theirs by a flag, at
+compilation), every variant lowers for an H200, and the Mosaic GPU kernel's copies and
 barriers compute its `reference` (Mosaic GPU's interpreter; the PDL instructions have no CPU
 rule and order nothing in a sequential interpreter)."""
 

@@ -21,6 +21,7 @@ import sys
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import gemv_gpu  # noqa: E402  (sets XLA_FLAGS: each kernel launched on its own)
 import fp8_kv_attention_gpu  # noqa: E402
+import silu_mul_fp8_gpu  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -63,15 +64,6 @@ def gemv_case(weights: str, proj: str):
     return (lambda x, v, s, g: fp8_gemv.fp8_gemv(x, v, s)), (x, *w)
 
 
-def swiglu_case(tokens: int, width: int = 14336):
-    """The gate/up GEMM's unscaled bf16 product [T, 2I] and its token and channel scales."""
-    k = jax.random.split(jax.random.key(tokens), 3)
-    y = (jax.random.normal(k[0], (tokens, 2 * width)) * 300).astype(jnp.bfloat16)
-    x_scale = jax.random.uniform(k[1], (tokens,), minval=1e-4, maxval=1e-2)
-    w_scale = jax.random.uniform(k[2], (2 * width,), minval=1e-4, maxval=1e-2)
-    return silu_mul_fp8, (y, x_scale, w_scale)
-
-
 CASES = {"attn_bf16": lambda: attention_case("bf16"), "attn_fp8": lambda: attention_case("fp8"),
          **{f"attn_fp8_{name}": (lambda t=t: attention_case("fp8", **t)) for name, t in (
              ("k64", dict(block_k=64)), ("k256", dict(block_k=256)),
@@ -79,7 +71,8 @@ CASES = {"attn_bf16": lambda: attention_case("bf16"), "attn_fp8": lambda: attent
          "mixed_fp8": mixed_case, "mixed_fp8_k64": lambda: mixed_case(decode_block_k=64),
          **{f"{w}_{p}": (lambda w=w, p=p: gemv_case(w, p))
             for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")},
-         **{f"swiglu_{t}": (lambda t=t: swiglu_case(t)) for t in (512, 2048)}}
+         **{f"swiglu_{t}": (lambda t=t: (silu_mul_fp8, silu_mul_fp8_gpu.swiglu_inputs(t, 14336)))
+            for t in (512, 2048)}}
 
 
 def main() -> None:

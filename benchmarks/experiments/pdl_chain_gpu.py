@@ -1,16 +1,16 @@
 """One GPU call, ~1 minute: what a launch costs inside one jitted step, by kernel kind, and
 whether programmatic dependent launch (PDL) takes it away. A batch-1 decode step is ~310
-kernels, ~190 of them Pallas (Triton) kernels, and its kernels are busy for ~2.1 of its 2.8 ms
-(H200, docs/lab/2026-12-05-session32.md): the rest is the GPU between kernels.
+kernels, ~190 of them Pallas (Triton) kernels (docs/lab/2026-12-06-session36.md: their kernels
+fill the step; what PDL saves at each boundary is what this measures).
 
 In jax 0.11.2 XLA's `--xla_gpu_enable_pdl` (on by default) puts a `griddepcontrol.wait` at
 the start of every kernel it compiles through Triton, Pallas Triton kernels included (their
 PTX, deviceless); a Mosaic GPU kernel asks for PDL by calling `plgpu.griddepcontrol_wait` (the
 lowering marks it `mosaic_gpu.uses_pdl`). Run it with that flag on and off: whether the Triton
-chain's launches then overlap is what the difference shows. XLA puts a chain of
-Triton kernels into one command buffer (a CUDA graph) and leaves a chain of Mosaic GPU kernels
-out of it (their thunks stay custom calls), so the Mosaic rows also show a launch from the
-host against one from a graph. Each variant below chains CHAIN dependent calls of one tiny
+chain's launches then overlap is what the difference shows. XLA puts a chain of Triton kernels
+into one command buffer (a CUDA graph) and leaves a chain of Mosaic GPU kernels out of it
+(their thunks stay custom calls), so the Mosaic rows also show a launch from the host against
+one from a graph. Each variant below chains CHAIN dependent calls of one tiny
 kernel (`reference`: 3 - x, 4 x 256 f32 a program) in one jit:
 
   triton        the Pallas Triton kernel

@@ -34,16 +34,23 @@ def xla_path(y, x_scale, w_scale):
     return q, s[:, 0]
 
 
+def swiglu_inputs(tokens: int, width: int):
+    """The gate/up GEMM's unscaled bf16 product y [T, 2I], its token scales [T] and channel
+    scales [2I]."""
+    k = jax.random.split(jax.random.key(tokens), 3)
+    y = (jax.random.normal(k[0], (tokens, 2 * width)) * 300).astype(jnp.bfloat16)
+    x_scale = jax.random.uniform(k[1], (tokens,), minval=1e-4, maxval=1e-2)
+    w_scale = jax.random.uniform(k[2], (2 * width,), minval=1e-4, maxval=1e-2)
+    return y, x_scale, w_scale
+
+
 def main() -> None:
     cli, token_counts, copy = token_sweep_cli((1, 8), (1, 64, 256, 512, 2048))
     width = 256 if cli.cpu else 14336
     sweep_at = () if cli.cpu else (256, 512, 2048)
     rows = []
     for tokens in token_counts:
-        k = jax.random.split(jax.random.key(tokens), 3)
-        y = (jax.random.normal(k[0], (tokens, 2 * width)) * 300).astype(jnp.bfloat16)
-        x_scale = jax.random.uniform(k[1], (tokens,), minval=1e-4, maxval=1e-2)
-        w_scale = jax.random.uniform(k[2], (2 * width,), minval=1e-4, maxval=1e-2)
+        y, x_scale, w_scale = swiglu_inputs(tokens, width)
         want_q, want_s = jax.jit(silu_mul_fp8_reference)(y, x_scale, w_scale)
         variants = [("xla", None), ("kernel", {})]
         variants += [("kernel", t) for t in TILES] if tokens in sweep_at else []
