@@ -8,13 +8,15 @@ streams below the copy bandwidth: memory, issue, latency, occupancy).
 Cases: attention over 512 sequences x 1536 tokens of bf16 and of float8 pages (the decode
 bucket; float8 also at other tiles), and a prefill bucket's on float8 pages; the int4 (group
 128) and FP8 one-token GEMVs on the four projections; the FP8 MLP's SwiGLU quantisation
-(silu_mul_fp8's two kernels) at 512 and 2,048 tokens. Every program is compiled before any
+(silu_mul_fp8's two kernels) at 512 and 2,048 tokens, at the default tiles and at 16 rows x
+256 columns (swiglu_T_r16). Every program is compiled before any
 launches, and each case is launched once.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -72,7 +74,11 @@ CASES = {"attn_bf16": lambda: attention_case("bf16"), "attn_fp8": lambda: attent
          **{f"{w}_{p}": (lambda w=w, p=p: gemv_case(w, p))
             for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")},
          **{f"swiglu_{t}": (lambda t=t: (silu_mul_fp8, silu_mul_fp8_gpu.swiglu_inputs(t, 14336)))
-            for t in (512, 2048)}}
+            for t in (512, 2048)},
+         **{f"swiglu_{t}_r{r}": (lambda t=t, r=r, c=c: (
+             functools.partial(silu_mul_fp8, block_rows=r, block_cols=c),
+             silu_mul_fp8_gpu.swiglu_inputs(t, 14336)))
+            for t in (512, 2048) for r, c in ((16, 256),)}}
 
 
 def main() -> None:

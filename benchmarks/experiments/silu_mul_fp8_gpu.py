@@ -23,7 +23,8 @@ from pallas_kernels.silu_mul_fp8 import silu_mul_fp8, silu_mul_fp8_reference
 
 TILES = [dict(block_rows=r, block_cols=c, num_warps=w) for r, c, w in (
     (1, 1024, 4), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 4), (4, 1024, 4),
-    (4, 2048, 8), (1, 16384, 8), (1, 16384, 16), (1, 16384, 32))]  # the last three: one read
+    (4, 2048, 8), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8),
+    (1, 16384, 8), (1, 16384, 16), (1, 16384, 32))]  # the last three: one read
 
 
 def xla_path(y, x_scale, w_scale):
