@@ -61,65 +61,94 @@ def silu_mul(gate: jax.Array, up: jax.Array, interpret: bool = False) -> jax.Arr
     return g * sigmoid * up.astype(jnp.float32)
 
 
-def _h_chunk(y_ref, xs_ref, ws_ref, *, block_rows, block_cols, layer, interpret):
-    """This program's h = silu(gate) * up [Br, Bc] (0 on masked lanes), its rows [Br], the
-    rows' mask and its tile and mask in [T, I]."""
+def _each_row_block(y_ref, xs_ref, ws_ref, visit, *, block_rows, block_cols, row_blocks,
+                    layer, interpret):
+    """Calls visit(h, rows, row_ok, tile, mask) for each of this program's `row_blocks` blocks
+    of `block_rows` tokens in its chunk of columns: h = silu(gate) * up [Br, Bc] (0 on masked
+    lanes), rows [Br], the rows' mask and the tile and mask in [T, I]. The chunk's channel
+    scales are read once, and each block's loads are issued before the block before it is
+    computed, so that a program's reads stay in flight while it computes."""
     num_rows, width = y_ref.shape[0], y_ref.shape[1] // 2
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)  # [Br]
     cols = pl.program_id(1) * block_cols + jnp.arange(block_cols, dtype=jnp.int32)  # [Bc]
-    row_ok, col_ok = rows < num_rows, cols < width
-    mask = row_ok[:, None] & col_ok[None, :]
-    x_scale = pltriton.load(xs_ref.at[rows], mask=row_ok, other=0)  # [Br]
+    col_ok = cols < width
+    first_block = pl.program_id(0) * row_blocks  # program ids outside the loop (interpret mode)
     ws_row = prefix(ws_ref, 1, layer)
-    gate = pltriton.load(y_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
-    up = pltriton.load(y_ref.at[rows[:, None], (cols + width)[None, :]], mask=mask, other=0)
     gate_scale = pltriton.load(ws_ref.at[(*ws_row, cols)], mask=col_ok, other=0)
     up_scale = pltriton.load(ws_ref.at[(*ws_row, cols + width)], mask=col_ok, other=0)
-    g = gate.astype(jnp.float32) * x_scale[:, None] * gate_scale[None, :]
-    u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
-    return silu_mul(g, u, interpret), rows, row_ok, (rows[:, None], cols[None, :]), mask
+
+    def load(k):  # block k's rows [Br], x_scale [Br], gate and up [Br, Bc]; none past the last
+        rows = (first_block + k) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+        row_ok = (rows < num_rows) & (k < row_blocks)
+        mask = row_ok[:, None] & col_ok[None, :]
+        x_scale = pltriton.load(xs_ref.at[rows], mask=row_ok, other=0)
+        gate = pltriton.load(y_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+        up = pltriton.load(y_ref.at[rows[:, None], (cols + width)[None, :]], mask=mask, other=0)
+        return rows, x_scale, gate, up
+
+    def block(k, loaded):
+        following = load(k + 1)
+        rows, x_scale, gate, up = loaded
+        g = gate.astype(jnp.float32) * x_scale[:, None] * gate_scale[None, :]
+        u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
+        row_ok = rows < num_rows
+        visit(silu_mul(g, u, interpret), rows, row_ok, (rows[:, None], cols[None, :]),
+              row_ok[:, None] & col_ok[None, :])
+        return following
+
+    jax.lax.fori_loop(0, row_blocks, block, load(0))
 
 
-def _one_read_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, **chunk):
+def _one_read_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, **blocks):
     """The row in one chunk: y_ref [T, 2I] -> q_ref [T, I], s_ref [T] for this program's rows."""
-    h, rows, row_ok, tile, mask = _h_chunk(y_ref, xs_ref, ws_ref, **chunk)
-    scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [Br]
-    pltriton.store(s_ref.at[rows], scale, mask=row_ok)
-    pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
+    def visit(h, rows, row_ok, tile, mask):
+        scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [Br]
+        pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+        pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
+
+    _each_row_block(y_ref, xs_ref, ws_ref, visit, **blocks)
 
 
-def _max_kernel(y_ref, xs_ref, ws_ref, m_ref, **chunk):
+def _max_kernel(y_ref, xs_ref, ws_ref, m_ref, **blocks):
     """-> m_ref [chunks, T]: this chunk's max |h| of this program's rows."""
-    h, rows, row_ok, _, _ = _h_chunk(y_ref, xs_ref, ws_ref, **chunk)
-    pltriton.store(m_ref.at[pl.program_id(1), rows], jnp.max(jnp.abs(h), axis=1), mask=row_ok)
+    chunk = pl.program_id(1)
+
+    def visit(h, rows, row_ok, tile, mask):
+        pltriton.store(m_ref.at[chunk, rows], jnp.max(jnp.abs(h), axis=1), mask=row_ok)
+
+    _each_row_block(y_ref, xs_ref, ws_ref, visit, **blocks)
 
 
-def _store_kernel(y_ref, xs_ref, ws_ref, m_ref, q_ref, s_ref, **chunk):
-    """m_ref [chunks, T] (the first kernel's) -> q_ref [T, I] for this program's tile, and
+def _store_kernel(y_ref, xs_ref, ws_ref, m_ref, q_ref, s_ref, **blocks):
+    """m_ref [chunks, T] (the first kernel's) -> q_ref [T, I] for this program's tiles, and
     s_ref [T] from the first chunk's programs."""
-    h, rows, row_ok, tile, mask = _h_chunk(y_ref, xs_ref, ws_ref, **chunk)
     num_chunks = m_ref.shape[0]
     chunks = jnp.arange(pl.next_power_of_2(num_chunks), dtype=jnp.int32)  # [C]
-    maxima = pltriton.load(m_ref.at[chunks[:, None], rows[None, :]],
-                           mask=(chunks < num_chunks)[:, None] & row_ok[None, :], other=0)
-    scale = row_scales(jnp.max(maxima, axis=0))  # [Br]
+    first_chunk = pl.program_id(1) == 0
 
-    @pl.when(pl.program_id(1) == 0)
-    def _():
-        pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+    def visit(h, rows, row_ok, tile, mask):
+        maxima = pltriton.load(m_ref.at[chunks[:, None], rows[None, :]],
+                               mask=(chunks < num_chunks)[:, None] & row_ok[None, :], other=0)
+        scale = row_scales(jnp.max(maxima, axis=0))  # [Br]
 
-    pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
+        @pl.when(first_chunk)
+        def _():
+            pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+
+        pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
+
+    _each_row_block(y_ref, xs_ref, ws_ref, visit, **blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "block_rows", "block_cols", "num_warps",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "block_rows", "block_cols", "row_blocks",
+                                             "num_warps", "interpret"))
 def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
                  layer: int | None = None, block_rows: int = 1, block_cols: int = 2048,
-                 num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 row_blocks: int = 1, num_warps: int = 4,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """y [T, 2 * I] (fp16/bf16/fp32), x_scale [T], w_scale [2 * I] fp32 -> (values [T, I]
     float8_e4m3fn, scale [T] fp32): `silu_mul_fp8_reference`'s contract. block_rows (tokens a
-    program), block_cols (a chunk of I, a power of two) and num_warps are the tile knobs;
-    layer: the row of a stacked w_scale."""
+    block), block_cols (a chunk of I, a power of two), row_blocks (blocks a program, in turn)
+    and num_warps are the tile knobs; layer: the row of a stacked w_scale."""
     num_rows, double_width = y.shape
     if double_width % 2 or x_scale.shape != (num_rows,):
         raise ValueError(f"y {y.shape} must be [T, 2 * I] with x_scale [T]; got "
@@ -127,16 +156,17 @@ def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
     check_stacked("w_scale", w_scale, (double_width,), layer)
     width = double_width // 2
     block_cols = min(block_cols, pl.next_power_of_2(width))
-    grid = (pl.cdiv(num_rows, block_rows), pl.cdiv(width, block_cols))
+    grid = (pl.cdiv(num_rows, block_rows * row_blocks), pl.cdiv(width, block_cols))
     call = functools.partial(
         pl.pallas_call, grid=grid, interpret=interpret, name="silu_mul_fp8",
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1))
-    chunk = dict(block_rows=block_rows, block_cols=block_cols, layer=layer, interpret=interpret)
+    blocks = dict(block_rows=block_rows, block_cols=block_cols, row_blocks=row_blocks,
+                  layer=layer, interpret=interpret)
     outputs = (jax.ShapeDtypeStruct((num_rows, width), FP8),
                jax.ShapeDtypeStruct((num_rows,), jnp.float32))
     args = (y, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
     if grid[1] == 1:
-        return call(functools.partial(_one_read_kernel, **chunk), out_shape=outputs)(*args)
-    maxima = call(functools.partial(_max_kernel, **chunk),
+        return call(functools.partial(_one_read_kernel, **blocks), out_shape=outputs)(*args)
+    maxima = call(functools.partial(_max_kernel, **blocks),
                   out_shape=jax.ShapeDtypeStruct((grid[1], num_rows), jnp.float32))(*args)
-    return call(functools.partial(_store_kernel, **chunk), out_shape=outputs)(*args, maxima)
+    return call(functools.partial(_store_kernel, **blocks), out_shape=outputs)(*args, maxima)

@@ -44,6 +44,8 @@ def numpy_silu_mul_fp8(y, x_scale, w_scale):
     (4, 96, dict(block_rows=1, block_cols=32)),
     (3, 64, dict()),  # one chunk wider than I: the row read once
     (5, 200, dict(block_rows=2, block_cols=256)),  # the same, rows ragged
+    (11, 200, dict(block_rows=2, block_cols=64, row_blocks=3)),  # a program's blocks in turn
+    (7, 64, dict(block_rows=2, row_blocks=2)),  # the same, the row in one chunk
 ])
 def test_kernel_matches_reference(num_tokens, width, tiles):
     args = random_inputs(num_tokens, num_tokens, width)
@@ -135,7 +137,8 @@ def test_kernel_lowers_for_cuda():
 
 def test_a_row_in_one_chunk_is_read_once(monkeypatch):
     """y's gate and up halves are loaded once a kernel: twice in all when the row is one chunk
-    (one kernel), four times when it is wider (the maxima's kernel, then the stores')."""
+    (one kernel), four times when it is wider (the maxima's kernel, then the stores'). Each
+    load is in the program twice: the first block's before the loop, the next block's in it."""
     from jax._src.pallas.triton import lowering
     modules, lower = [], lowering.lower_jaxpr_to_triton_module
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module",
@@ -149,7 +152,7 @@ def test_a_row_in_one_chunk_is_read_once(monkeypatch):
         return sum("tt.load" in line and "ptr<bf16>" in line
                    for module in modules for line in str(module.module).splitlines())
 
-    assert (y_loads(1536), y_loads(14336)) == (2, 4)
+    assert (y_loads(1536), y_loads(14336)) == (2 * 2, 4 * 2)
 
 
 def test_fp8_mlp_lowers_with_the_kernel_between_two_fp8_dots(monkeypatch):

@@ -8,9 +8,9 @@ streams below the copy bandwidth: memory, issue, latency, occupancy).
 Cases: attention over 512 sequences x 1536 tokens of bf16 and of float8 pages (the decode
 bucket; float8 also at other tiles), and a prefill bucket's on float8 pages; the int4 (group
 128) and FP8 one-token GEMVs on the four projections; the FP8 MLP's SwiGLU quantisation
-(silu_mul_fp8's two kernels) at 512 and 2,048 tokens, at the default tiles and at 16 rows x
-256 columns (swiglu_T_r16). Every program is compiled before any
-launches, and each case is launched once.
+(silu_mul_fp8's two kernels) at T tokens: swiglu_T at the default tiles,
+swiglu_T_rR_cC_wW[_bB] at R rows x C columns, W warps and B row blocks a program. Every program
+is compiled before any launches, and each case is launched once (or --launches times).
 """
 
 from __future__ import annotations
@@ -72,26 +72,32 @@ CASES = {"attn_bf16": lambda: attention_case("bf16"), "attn_fp8": lambda: attent
              ("s3", dict(block_k=128, num_stages=3)))},
          "mixed_fp8": mixed_case, "mixed_fp8_k64": lambda: mixed_case(decode_block_k=64),
          **{f"{w}_{p}": (lambda w=w, p=p: gemv_case(w, p))
-            for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")},
-         **{f"swiglu_{t}": (lambda t=t: (silu_mul_fp8, silu_mul_fp8_gpu.swiglu_inputs(t, 14336)))
-            for t in (512, 2048)},
-         **{f"swiglu_{t}_r{r}": (lambda t=t, r=r, c=c: (
-             functools.partial(silu_mul_fp8, block_rows=r, block_cols=c),
-             silu_mul_fp8_gpu.swiglu_inputs(t, 14336)))
-            for t in (512, 2048) for r, c in ((16, 256),)}}
+            for w in ("int4", "fp8") for p in ("qkv", "o", "gate_up", "down")}}
+
+
+def swiglu_case(name: str):
+    """swiglu_T (the default tiles) or swiglu_T_rR_cC_wW[_bB]: T tokens, blocks of R rows x C
+    columns, W warps, B blocks a program."""
+    tokens, *tiles = (int(v[1:] if v[0] in "rcwb" else v) for v in name.split("_")[1:])
+    kw = dict(zip(("block_rows", "block_cols", "num_warps", "row_blocks"), tiles))
+    return (functools.partial(silu_mul_fp8, **kw), silu_mul_fp8_gpu.swiglu_inputs(tokens, 14336))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--cases", nargs="*", default=[*CASES, "swiglu_512", "swiglu_2048"])
+    parser.add_argument("--launches", type=int, default=1,
+                        help="launches of each case in turn (2: the second finds its input "
+                             "in L2 where it fits, as after the GEMM that wrote it)")
     cli = parser.parse_args()
     programs = {}
     for name in cli.cases:
-        fn, args = CASES[name]()
+        fn, args = swiglu_case(name) if name.startswith("swiglu_") else CASES[name]()
         programs[name] = (jax.jit(fn).lower(*args).compile(), args)
     for name, (compiled, args) in programs.items():
         print(name, flush=True)
-        jax.block_until_ready(compiled(*args))
+        for _ in range(cli.launches):
+            jax.block_until_ready(compiled(*args))
 
 
 if __name__ == "__main__":
