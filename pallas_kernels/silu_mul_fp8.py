@@ -4,16 +4,19 @@ max / 448), the operand the down projection's W8A8 GEMM reads.
 
 XLA spends two passes over the gate/up output on it (the per-token max, then the scaled cast).
 So does this module where a row is wider than a chunk (the second read from L2 where the product
-fits it), but every (token block, chunk) is a short program of its own in both passes: any
+fits it), but every (token blocks, chunk) is a short program of its own in both passes: any
 token count fills the GPU, and many programs' loads are in flight at once, where one program a
 token walking its row's chunks in turn left the copy bandwidth mostly idle.
 
 Design. A row of I (14,336 for an 8B model) does not fit in registers, so it is cut into
-`block_cols` chunks; a program takes `block_rows` tokens x one chunk. The first kernel writes
+`block_cols` chunks; a program takes `row_blocks` blocks of `block_rows` tokens of one chunk in
+turn, each block's loads issued before the block before it is computed (the kernels are
+latency-bound otherwise: load, compute, reduce and store, one after the other, with nothing of
+the program's own to overlap), the chunk's channel scales read once. The first kernel writes
 each chunk's max |h| ([chunks, T] fp32); the second reads a row's chunk maxima (a few words),
 recomputes its chunk of h (the same instructions: the same fp32 values) and stores it scaled;
-its first chunk's programs store the scale. A row within one chunk (block_cols >= I: SmolLM2's
-1,536, the test models) takes one kernel that holds h in registers and reads the row once.
+its first chunk's programs store the scale. A row of at most ONE_READ_MAX_WIDTH (SmolLM2's 1,536,
+the test models) is one chunk by default: one kernel holds h in registers and reads the row once.
 Everything is in fp32: the GEMM's output times both scales, the SiLU, the product. Lanes past I
 and rows past T are masked on load (to 0, so h = 0 there) and on store.
 
@@ -49,6 +52,11 @@ def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array,
 
 
 _LOG2E = 1.4426950408889634
+# The default tiles (block_rows, block_cols, row_blocks): rows wider than ONE_READ_MAX_WIDTH from
+# Nsight Compute's kernel times at an 8B model's I (docs/lab, session 37); narrower rows as one
+# chunk, a token a block (h in registers)
+CHUNKED_TILES = (4, 512, 4)
+ONE_READ_MAX_WIDTH = 2048
 
 
 def silu_mul(gate: jax.Array, up: jax.Array, interpret: bool = False) -> jax.Array:
@@ -142,20 +150,25 @@ def _store_kernel(y_ref, xs_ref, ws_ref, m_ref, q_ref, s_ref, **blocks):
 @functools.partial(jax.jit, static_argnames=("layer", "block_rows", "block_cols", "row_blocks",
                                              "num_warps", "interpret"))
 def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
-                 layer: int | None = None, block_rows: int = 1, block_cols: int = 2048,
-                 row_blocks: int = 1, num_warps: int = 4,
+                 layer: int | None = None, block_rows: int | None = None,
+                 block_cols: int | None = None, row_blocks: int | None = None, num_warps: int = 4,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """y [T, 2 * I] (fp16/bf16/fp32), x_scale [T], w_scale [2 * I] fp32 -> (values [T, I]
     float8_e4m3fn, scale [T] fp32): `silu_mul_fp8_reference`'s contract. block_rows (tokens a
     block), block_cols (a chunk of I, a power of two), row_blocks (blocks a program, in turn)
-    and num_warps are the tile knobs; layer: the row of a stacked w_scale."""
+    and num_warps are the tile knobs, each left None taken from CHUNKED_TILES, or for rows up
+    to ONE_READ_MAX_WIDTH from one token and one block of the whole row; layer: the row of a
+    stacked w_scale."""
     num_rows, double_width = y.shape
     if double_width % 2 or x_scale.shape != (num_rows,):
         raise ValueError(f"y {y.shape} must be [T, 2 * I] with x_scale [T]; got "
                          f"{x_scale.shape}")
     check_stacked("w_scale", w_scale, (double_width,), layer)
     width = double_width // 2
-    block_cols = min(block_cols, pl.next_power_of_2(width))
+    defaults = (1, width, 1) if width <= ONE_READ_MAX_WIDTH else CHUNKED_TILES
+    block_rows, block_cols, row_blocks = (given or default for given, default in zip(
+        (block_rows, block_cols, row_blocks), defaults))
+    block_cols = min(pl.next_power_of_2(block_cols), pl.next_power_of_2(width))
     grid = (pl.cdiv(num_rows, block_rows * row_blocks), pl.cdiv(width, block_cols))
     call = functools.partial(
         pl.pallas_call, grid=grid, interpret=interpret, name="silu_mul_fp8",

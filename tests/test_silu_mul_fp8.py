@@ -46,6 +46,7 @@ def numpy_silu_mul_fp8(y, x_scale, w_scale):
     (5, 200, dict(block_rows=2, block_cols=256)),  # the same, rows ragged
     (11, 200, dict(block_rows=2, block_cols=64, row_blocks=3)),  # a program's blocks in turn
     (7, 64, dict(block_rows=2, row_blocks=2)),  # the same, the row in one chunk
+    (19, 2100, dict()),  # the default chunked tiles: rows past ONE_READ_MAX_WIDTH
 ])
 def test_kernel_matches_reference(num_tokens, width, tiles):
     args = random_inputs(num_tokens, num_tokens, width)

@@ -12,8 +12,8 @@ that keeps what it compiles (a scratch environment only: it moves its ptxas asid
 
 Kernels (8B shapes): attention (a decode bucket, --tokens sequences of 1,536 tokens, --kv-dtype,
 --page-size),
-silu_mul_fp8, fp8_quant (--norm), fp8_quant_residual (--k: H), fp8_gemv (--n, --k, --norm /
---swiglu), int4_gemv (--n, --k), fp8_block_matmul (--tokens, --n, --k; groups of 128).
+silu_mul_fp8 (--n: 2I), fp8_quant (--norm), fp8_quant_residual (--k: H), fp8_gemv (--n, --k,
+--norm / --swiglu), int4_gemv (--n, --k), fp8_block_matmul (--tokens, --n, --k; groups of 128).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def kernel_call(a):
     if a.kernel == "silu_mul_fp8":
         from pallas_kernels.silu_mul_fp8 import silu_mul_fp8
         return functools.partial(silu_mul_fp8, **kw), (
-            sds((a.tokens, 28672), jnp.bfloat16), sds((a.tokens,), jnp.float32),
-            sds((28672,), jnp.float32))
+            sds((a.tokens, a.n), jnp.bfloat16), sds((a.tokens,), jnp.float32),
+            sds((a.n,), jnp.float32))
     if a.kernel == "fp8_quant":
         from pallas_kernels.fp8_quant import fp8_quant
         norm = (sds((4096,), jnp.bfloat16),) if a.norm else ()
