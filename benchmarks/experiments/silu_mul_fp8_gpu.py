@@ -5,7 +5,9 @@ token counts, with a few tile choices; each kernel output checked against the re
 
     python benchmarks/experiments/silu_mul_fp8_gpu.py --out DIR [--cpu]
 
-Times by `ceilings.time_chain`; % of copy bandwidth for the bytes read and written once.
+Times by `ceilings.time_chain`; % of copy bandwidth for the bytes read and written once. The
+chain reads this kernel well above its Nsight Compute time (docs/lab, session 37): rank tilings
+with ncu_kernels.py's swiglu cases.
 """
 
 from __future__ import annotations
