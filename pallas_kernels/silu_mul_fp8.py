@@ -93,17 +93,23 @@ def _each_row_block(y_ref, xs_ref, ws_ref, visit, *, block_rows, block_cols, row
         up = pltriton.load(y_ref.at[rows[:, None], (cols + width)[None, :]], mask=mask, other=0)
         return rows, x_scale, gate, up
 
-    def block(k, loaded):
-        following = load(k + 1)
+    def compute(loaded):
         rows, x_scale, gate, up = loaded
         g = gate.astype(jnp.float32) * x_scale[:, None] * gate_scale[None, :]
         u = up.astype(jnp.float32) * x_scale[:, None] * up_scale[None, :]
         row_ok = rows < num_rows
         visit(silu_mul(g, u, interpret), rows, row_ok, (rows[:, None], cols[None, :]),
               row_ok[:, None] & col_ok[None, :])
+
+    def block(k, loaded):
+        following = load(k + 1)
+        compute(loaded)
         return following
 
-    jax.lax.fori_loop(0, row_blocks, block, load(0))
+    if row_blocks == 1:  # nothing to load ahead
+        compute(load(0))
+    else:
+        jax.lax.fori_loop(0, row_blocks, block, load(0))
 
 
 def _one_read_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, **blocks):
