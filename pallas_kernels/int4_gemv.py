@@ -27,9 +27,8 @@ into [512, 1024) (no sum reaches fp16's 65504, no normal x underflows), undone a
 sums across words and chunks are fp32. Over its own range, not the row: a program with one
 128-row chunk would otherwise read all of x's row for the scale of 128 of its values.
 
-Programs: (N tile, K split). A program owns `block_n` columns as a [T, 16, SUB] words tile (T =
-block_n / SUB; SUB = 8): Triton's layout fills a warp from the last dimension (2 threads of 4
-words along SUB), then the chunk's 16 rows, so that each thread holds one row and its x work (the
+Programs: (N tile, K split). A program owns `block_n` columns as a [16, T, SUB] words tile (T =
+block_n / SUB), so that Triton gives each thread one of the chunk's 16 rows and its x work (the
 loads, scaling and packing of 8 x values) serves all of its columns. Per chunk it reads the
 tile (N minor: coalesced; evicted first, so that x, re-read per chunk, stays cached) and the
 chunk's scales and zeros. When N / block_n tiles are too few to keep every SM streaming, K is
@@ -107,19 +106,19 @@ def _pack_pairs(lo, hi, interpret):
 
 
 def _dot8(words, pairs, part_rows, interpret):
-    """words [T, 16, SUB] int32, pairs: 4 x-pairs [16] (_pack_pairs') -> fp32 [T, 16, SUB] sums of
+    """words [16, T, SUB] int32, pairs: 4 x-pairs [16] (_pack_pairs') -> fp32 [16, T, SUB] sums of
     x_j n_j over each word's rows j of a part: 32-row parts (j in {0, 1}, {2, 3}, {4, 5},
     {6, 7}) for 32-row groups, else 64-row halves (j < 4, j >= 4): two products a half2 lane,
     then the lanes' halves added in half2, rounded as the PTX rounds them."""
     if interpret:
         nib = [((words >> (4 * j)) & 0xF).astype(jnp.float32) for j in range(8)]
-        x = [pairs[j % 4][j // 4].astype(jnp.float32)[None, :, None] for j in range(8)]
+        x = [pairs[j % 4][j // 4].astype(jnp.float32)[:, None, None] for j in range(8)]
         half = lambda v: v.astype(jnp.float16).astype(jnp.float32)
         quarters = [half(half(nib[j] * x[j]) + nib[j + 1] * x[j + 1]) for j in (0, 2, 4, 6)]
         if part_rows == 32:
             return quarters
         return [half(quarters[0] + quarters[1]), half(quarters[2] + quarters[3])]
-    wide = [jnp.broadcast_to(p[None, :, None], words.shape) for p in pairs]
+    wide = [jnp.broadcast_to(p[:, None, None], words.shape) for p in pairs]
     a = asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words, wide[0], wide[1])  # rows 0, 1 | 4, 5
     b = asm(_DOT4_PTX, jnp.int32, "=r,r,r,r", words >> 8, wide[2], wide[3])  # 2, 3 | 6, 7
     if part_rows == 32:
@@ -144,8 +143,8 @@ def _row_scales(x_ref, start, stop, span):
 def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_per_split,
             interpret, layer):
     """o_ref [splits, M, N]: this split's x @ w over its chunks, for one N tile held as
-    [T, 16, SUB] words (T = block_n / SUB), so that Triton gives each thread one of the 16 rows
-    and its x work serves all of its words. The zero points' share, s z sum_k x, accumulates per
+    [16, T, SUB] words (T = block_n / SUB), so that Triton gives each thread one of the 16 rows
+    and its x work serves 4T columns. The zero points' share, s z sum_k x, accumulates per
     column ([T, SUB], from x's sums over each part), the rest per word; their difference is
     taken once, at the store."""
     num_rows = x_ref.shape[0]
@@ -163,9 +162,8 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_
                            pl.next_power_of_2(chunks_per_split * CHUNK_ROWS))
     s_row, z_row = prefix(s_ref, 2, layer), prefix(z_ref, 2, layer)
 
-    def chunk(c, carry):  # M x ([T, 16, SUB] s x n, [T, SUB] s z x) in x's scaled units
-        words = _load(q_ref.at[c * _SLICE + lanes[None, :, None], cols[:, None, :]],
-                      col_ok[:, None, :])
+    def chunk(c, carry):  # M x ([16, T, SUB] s x n, [T, SUB] s z x) in x's scaled units
+        words = _load(q_ref.at[c * _SLICE + lanes[:, None, None], cols[None]], col_ok[None])
         num_groups = CHUNK_ROWS // (sum_rows * sums_per_group)
         groups = [(c * CHUNK_ROWS + g * CHUNK_ROWS // num_groups) // group
                   for g in range(num_groups)]
@@ -185,17 +183,17 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_
                            sums[g * sums_per_group])
                 xsum = jnp.sum(sum(xs[g * rows_per_group + 1:(g + 1) * rows_per_group],
                                    xs[g * rows_per_group]))
-                acc = acc + s[g][:, None, :] * part
+                acc = acc + s[g][None] * part
                 zero = zero + sz[g] * xsum
             out.append((acc, zero))
         return tuple(out)
 
     carry = jax.lax.fori_loop(first, last, chunk, tuple(
-        (jnp.zeros((tiles, _SLICE, sub_n), jnp.float32), jnp.zeros((tiles, sub_n), jnp.float32))
+        (jnp.zeros((_SLICE, tiles, sub_n), jnp.float32), jnp.zeros((tiles, sub_n), jnp.float32))
         for _ in range(num_rows)))
     for m, (acc, zero) in enumerate(carry):
         pltriton.store(o_ref.at[split, m, cols],
-                       ((jnp.sum(acc, axis=1) - zero) / x_scales[m]).astype(o_ref.dtype),
+                       ((jnp.sum(acc, axis=0) - zero) / x_scales[m]).astype(o_ref.dtype),
                        mask=col_ok)
 
 def _whole_splits(chunks: int, splits: int) -> int:
@@ -234,7 +232,7 @@ def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Ar
     splits = _whole_splits(chunks, splits or default_splits(n, k, block_n))
     out = pl.pallas_call(
         functools.partial(_kernel, group=group, block_n=block_n,
-                          sub_n=min(block_n, _SUB_N_PER_WARP),
+                          sub_n=min(block_n, _SUB_N_PER_WARP * num_warps),
                           chunks_per_split=pl.cdiv(chunks, splits), interpret=interpret,
                           layer=layer),
         grid=(pl.cdiv(n, block_n), splits),
