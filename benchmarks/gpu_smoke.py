@@ -116,15 +116,14 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     cases += [Case(tiny, "float16", 777, 32, 2, backend) for backend in ("pallas", "mosaic", "xla")]
     cases += [Case(tiny, "float32", 8192, 64, 8, backend) for backend in ("pallas", "triton", "xla")]
     cases += [Case(tiny, "bfloat16", 8192, 64, 8, backend) for backend in ("mosaic", "triton")]
-    # the features that change the step: FP8 pages (Triton reads them; mosaic: the prompts on
-    # the Mosaic kernel over a 16-bit copy), FP8 weights, speculation
+    # the features that change the step: FP8 pages (Triton reads them), FP8 weights, speculation
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, kv_cache_dtype="fp8")
-              for backend in ("pallas", "triton", "mosaic", "xla")]
+              for backend in ("pallas", "triton", "xla")]
     # FP8 pages at the small sizes (split-KV decode buckets) and with float16 q
     cases += [Case(tiny, dtype, length, block, seqs, backend, kv_cache_dtype="fp8")
               for dtype, length, block, seqs in (("bfloat16", 2048, 16, 1),
                                                  ("float16", 777, 32, 2))
-              for backend in ("pallas", "mosaic", "xla")]
+              for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, 8, backend, quantization="fp8")
               for backend in ("pallas", "xla")]
     # FP8 weights (the SwiGLU quantisation kernel) at one and 256 sequences, and with float16

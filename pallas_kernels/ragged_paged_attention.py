@@ -336,37 +336,30 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     buckets (more tokens than sequences) on a Hopper GPU where it supports the call and no
     Triton tile is given, else Triton.
     Padding rows (past cu_q_lens[num_seqs]) come back zero. A float8_e4m3fn cache (scales
-    k_scale, v_scale) takes the Triton kernel; with implementation="mosaic" its prompts take the
-    Mosaic kernel over a 16-bit copy of their pages (`_prompts_on_mosaic`).
+    k_scale, v_scale) takes the Triton kernel: the Mosaic kernel reads 16-bit pages only.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     max_seqs = block_tables.shape[0]
     if implementation not in (None, "triton", "mosaic"):
         raise ValueError(f"implementation={implementation!r} must be None, 'triton' or 'mosaic'")
-    fp8_pages = k_cache.dtype == jnp.float8_e4m3fn
-    # float8 pages reach the Mosaic kernel widened, on request only (`_prompts_on_mosaic`)
-    pages_read = jax.ShapeDtypeStruct(k_cache.shape, q.dtype) if fp8_pages else k_cache
-    supported = mgpu.supports(q, pages_read, sliding_window=sliding_window, soft_cap=soft_cap)
+    supported = mgpu.supports(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap)
     unscaled = (k_scale, v_scale) == (1.0, 1.0)
-    if implementation == "mosaic" and not (supported and (unscaled or fp8_pages)):
-        raise ValueError("implementation='mosaic' takes 16-bit q/K/V or float8 K/V pages, "
-                         "head_dim 64 or 128, a query group of 1, 2, 4 or 8, a block_size of 8, "
-                         "16, 32, 64 or 128, KV scales only with float8 pages and no sliding "
-                         f"window or soft cap; got q {q.shape} {q.dtype}, k_cache {k_cache.shape} "
-                         f"{k_cache.dtype}")
+    if implementation == "mosaic" and not (supported and unscaled):
+        raise ValueError("implementation='mosaic' takes 16-bit q/K/V, head_dim 64 or 128, a query "
+                         "group of 1, 2, 4 or 8, a block_size of 8, 16, 32, 64 or 128, no KV "
+                         f"scales and no sliding window or soft cap; got q {q.shape} {q.dtype}, "
+                         f"k_cache {k_cache.shape}")
+    triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
+    auto_mosaic = (implementation is None and supported and unscaled and not interpret
+                   and not triton_tiles
+                   and q.shape[0] > max_seqs and _is_hopper())
+    if implementation == "mosaic" or auto_mosaic:
+        return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
+                                                cu_q_lens, num_seqs, sm_scale=sm_scale)
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               interpret=interpret, k_scale=k_scale, v_scale=v_scale)
-    if implementation == "mosaic" and fp8_pages:
-        return _prompts_on_mosaic(*args, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                                  interpret=interpret)
-    triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
-    auto_mosaic = (implementation is None and supported and unscaled and not fp8_pages
-                   and not interpret and not triton_tiles
-                   and q.shape[0] > max_seqs and _is_hopper())
-    if implementation == "mosaic" or auto_mosaic:
-        return mgpu.ragged_paged_attention_mgpu(*args, sm_scale=sm_scale)
-    if not triton_tiles and fp8_pages and q.shape[0] > max_seqs:
+    if not triton_tiles and k_cache.dtype == jnp.float8_e4m3fn and q.shape[0] > max_seqs:
         # A prefill bucket's decodes launch apart, at the decode tiling: on float8 pages it
         # reads them faster than the prefill tiling (experiments/fp8_kv_attention_gpu.py).
         return _triton_attention(*args, only="prefill", **kw,
@@ -374,55 +367,6 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     return _triton_attention(*args, block_q=block_q, block_k=block_k,
                              num_kv_splits=num_kv_splits, num_warps=num_warps,
                              num_stages=num_stages, **kw)
-
-
-def _prompts_on_mosaic(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                       sm_scale, k_scale, v_scale, interpret):
-    """Float8 pages, the prompts (q_len > 1) on the Mosaic kernel, which reads 16-bit pages:
-    their pages copied out widened to q's dtype (exact; in the copy it costs far less than in
-    either kernel), whole prompts in order while they fit `2 * cdiv(T, P)` pages, k_scale folded
-    into sm_scale and v_scale applied to the output. The decodes, and the prompts past the copy
-    (a long prefix), take the Triton kernel."""
-    num_tokens, max_seqs = q.shape[0], block_tables.shape[0]
-    token, seq, q_lens = _token_seqs(cu_q_lens, num_tokens)
-    prompt = (jnp.arange(max_seqs) < num_seqs[0]) & (q_lens > 1)
-    capacity = 2 * pl.cdiv(num_tokens, k_cache.shape[2])
-    k_copy, v_copy, copy_tables, copied = _widened_pages(k_cache, v_cache, kv_lens, block_tables,
-                                                         prompt, capacity, q.dtype)
-    kw = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-    decodes = _triton_attention(*args, only="decode", **kw)
-    # the copied prompts' rows at kv_len 0 here: no KV tile, zeros, replaced below
-    rest = _triton_attention(q, k_cache, v_cache, jnp.where(copied, 0, kv_lens), *args[4:],
-                             only="prefill", out=decodes, **kw)
-    prompts = mgpu.ragged_paged_attention_mgpu(q, k_copy, v_copy, kv_lens, copy_tables,
-                                               cu_q_lens, num_seqs, copied,
-                                               sm_scale=sm_scale * k_scale)
-    rows = copied[seq] & (token < cu_q_lens[num_seqs[0]])  # [T]
-    return jnp.where(rows[:, None, None], (prompts.astype(jnp.float32) * v_scale).astype(q.dtype),
-                     rest)
-
-
-def _widened_pages(k_cache, v_cache, kv_lens, block_tables, chosen, capacity: int, dtype):
-    """chosen [S] bool -> (k, v [capacity, Hkv, P, D] in dtype: the chosen sequences' pages,
-    whole sequences in order while they fit, zero past each kv_len; tables [S, B] into them;
-    copied [S] bool)."""
-    page_size, max_pages = k_cache.shape[2], block_tables.shape[1]
-    first = jnp.arange(max_pages) * page_size  # [B]: a page's first position
-    pages = jnp.where(chosen, (kv_lens + page_size - 1) // page_size, 0)  # [S]
-    end = jnp.cumsum(pages)
-    copied = chosen & (end <= capacity)  # a prefix of the chosen: `end` only grows
-    held = copied[:, None] & (first[None, :] < kv_lens[:, None])  # [S, B]
-    tables = jnp.where(held, (end - pages)[:, None] + jnp.arange(max_pages)[None, :], 0)
-    # the held (sequence, page) pairs in row-major order are the copy's pages 0, 1, ...
-    (flat,) = jnp.nonzero(held.reshape(-1), size=capacity, fill_value=0)
-    ids = block_tables.reshape(-1)[flat]
-    # the last page's slots past kv_len hold whatever the page held before: the Mosaic kernel
-    # reads them (and masks them), so they must be finite
-    valid = jnp.where(held, kv_lens[:, None] - first[None, :], 0).reshape(-1)[flat]  # [C]
-    live = (jnp.arange(page_size)[None, :] < valid[:, None])[:, None, :, None]  # [C, 1, P, 1]
-    widen = lambda cache: jnp.where(live, cache[ids].astype(dtype), 0)
-    return widen(k_cache), widen(v_cache), tables.astype(jnp.int32), copied
 
 
 def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,

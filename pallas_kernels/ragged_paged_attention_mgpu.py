@@ -47,16 +47,13 @@ def supports(q, k_cache, *, sliding_window=None, soft_cap=None, block_kv: int = 
 
 
 def tile_metadata(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int, tile_tokens: int,
-                  max_tiles: int, seqs=None):
+                  max_tiles: int):
     """-> [max_tiles, 5] int32, per query tile: its sequence, first flat token, token count,
-    first query position, and the sequence's kv_len. Each live sequence's tokens (of those
-    `seqs` [S] bool marks, if given) split into tiles of `tile_tokens`; the padding rows
-    [cu_q_lens[num_seqs], num_tokens) follow as tiles with kv_len 0 (the kernel writes them
-    zeros); the rest are empty (token count 0)."""
+    first query position, and the sequence's kv_len. Each live sequence's tokens split into
+    tiles of `tile_tokens`; the padding rows [cu_q_lens[num_seqs], num_tokens) follow as tiles
+    with kv_len 0 (the kernel writes them zeros); the rest are empty (token count 0)."""
     max_seqs = kv_lens.shape[0]
     live = jnp.arange(max_seqs) < num_seqs[0]
-    if seqs is not None:
-        live &= seqs
     live_end = cu_q_lens[num_seqs[0]]
     starts = jnp.append(cu_q_lens[:-1], live_end)  # [S + 1]: the padding rows as one more
     lens = jnp.append(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0), num_tokens - live_end)
@@ -250,11 +247,10 @@ def _store_rows(o_rows, out_ref, tok0, ntok, kv_head, group, tokens_per_wg):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages"))
 def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                seqs=None, *, sm_scale: float, block_kv: int = 128,
+                                *, sm_scale: float, block_kv: int = 128,
                                 num_stages: int = 2):
     """The Mosaic GPU kernel (Hopper); the contract of `ragged_paged_attention`, within
-    `supports`. Padding rows (past cu_q_lens[num_seqs]) come back zero. seqs [S] bool: only
-    these sequences' rows are computed; the other live sequences' rows are left unwritten."""
+    `supports`. Padding rows (past cu_q_lens[num_seqs]) come back zero."""
     if not supports(q, k_cache, block_kv=block_kv):
         raise ValueError(f"ragged_paged_attention_mgpu: unsupported q {q.shape} {q.dtype}, "
                          f"cache {k_cache.shape} {k_cache.dtype}, block_kv={block_kv}")
@@ -268,7 +264,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q
     tile_tokens = 2 * (_ROWS // group)
     num_tiles = max_tiles(num_tokens, block_tables.shape[0], tile_tokens)
     meta = tile_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
-                         tile_tokens=tile_tokens, max_tiles=num_tiles, seqs=seqs)
+                         tile_tokens=tile_tokens, max_tiles=num_tiles)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kv_tile = plgpu.SMEM((num_stages * block_kv, head_dim), k_cache.dtype, transforms=swizzled)
     scratch = (

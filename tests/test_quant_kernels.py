@@ -233,66 +233,13 @@ def test_fp8_prefill_bucket_runs_its_decodes_apart():
     assert rel_err(out[:live], ref[:live]) < 2e-2
 
 
-def test_mosaic_refuses_what_it_cannot_take():
-    """implementation='mosaic': KV scales only with float8 pages; a sliding window never."""
+def test_fp8_cache_routes_prefill_to_triton_and_refuses_mosaic():
     args = make_batch(40, [9, 4], [20, 4], num_q_heads=4, num_kv_heads=2, head_dim=64,
                       page_size=16, dtype=jnp.bfloat16, max_seqs=2, num_tokens=16)
     q, k_cache, v_cache, *rest = args
     fp8_args = (q, k_cache.astype(FP8), v_cache.astype(FP8), *rest)
-    with pytest.raises(ValueError, match="KV scales only with float8 pages"):
-        ragged_paged_attention(*args, sm_scale=0.1, k_scale=0.5, implementation="mosaic")
-    with pytest.raises(ValueError, match="no sliding"):
-        ragged_paged_attention(*fp8_args, sm_scale=0.1, sliding_window=8,
-                               implementation="mosaic")
-
-
-def mosaic_stand_in(calls):
-    """ragged_paged_attention_mgpu on this CPU (wgmma has no interpret mode): the reference over
-    the pages it is given, its rows only for the sequences `seqs` names (NaN elsewhere, zeros on
-    padding rows, as the kernel leaves them), and all NaN if any page it could read is not
-    finite (the kernel reads a last page whole)."""
-    def kernel(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, seqs, *,
-               sm_scale):
-        jax.debug.callback(lambda s: calls.append(np.asarray(s)), seqs)
-        out = ragged_paged_attention_reference(q.astype(jnp.float32), k_cache, v_cache, kv_lens,
-                                               block_tables, cu_q_lens, num_seqs,
-                                               sm_scale=sm_scale)
-        token = jnp.arange(q.shape[0])
-        seq = jnp.searchsorted(cu_q_lens[1:], token, side="right")
-        live = token < cu_q_lens[num_seqs[0]]
-        mine = seqs[jnp.minimum(seq, seqs.shape[0] - 1)] & live
-        out = jnp.where(mine[:, None, None], out, jnp.where(live, jnp.nan, 0)[:, None, None])
-        finite = jnp.isfinite(k_cache).all() & jnp.isfinite(v_cache).all()
-        return jnp.where(finite, out, jnp.nan).astype(q.dtype)
-    return kernel
-
-
-def test_fp8_prompts_take_mosaic_over_a_widened_copy(monkeypatch):
-    """implementation='mosaic' on float8 pages (poisoned: NaN past every kv_len, which the copy
-    must zero): the prompts that fit the copy (2 * cdiv(64, 16) = 8 pages: the 47- and 33-token
-    ones) on the Mosaic kernel, the one past it (209 tokens) and the decodes on Triton, every
-    live row right with both scales."""
-    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
-    calls = []
-    monkeypatch.setattr(mgpu, "ragged_paged_attention_mgpu", mosaic_stand_in(calls))
-    q_lens = [1, 7, 1, 0, 13, 1, 9]
-    args = make_batch(70, q_lens, np.add([300, 40, 3, 0, 20, 90, 200], q_lens), num_q_heads=8,
-                      num_kv_heads=2, head_dim=64, page_size=16, max_seqs=8, num_tokens=64)
-    q, k_cache, v_cache, *rest = args
-    poisoned, clean = poison((q.astype(jnp.bfloat16), to_fp8(k_cache, 0.25),
-                              to_fp8(v_cache, 4.0), *rest))
-    out = ragged_paged_attention(*poisoned, sm_scale=0.125, k_scale=0.25, v_scale=4.0,
-                                 interpret=True, implementation="mosaic")
-    jax.effects_barrier()
-    np.testing.assert_array_equal(calls[-1], [0, 1, 0, 0, 1, 0, 0, 0])
-    ref = ragged_paged_attention_reference(clean[0].astype(jnp.float32), *clean[1:],
-                                           sm_scale=0.125, k_scale=0.25, v_scale=4.0)
-    live = sum(q_lens)
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out[:live]).all()
-    assert rel_err(out[:live], ref[:live]) < 2e-2
-    for s, (start, end) in enumerate(zip(np.cumsum([0] + q_lens), np.cumsum(q_lens))):
-        assert rel_err(out[start:end], ref[start:end]) < 2e-2 or start == end, s
+    with pytest.raises(ValueError, match="16-bit q/K/V"):
+        ragged_paged_attention(*fp8_args, sm_scale=0.1, implementation="mosaic")
 
 
 def test_fp8_cache_lowers_for_cuda():
@@ -309,27 +256,9 @@ def test_fp8_cache_lowers_for_cuda():
     both = lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.1, k_scale=0.5,
                                             v_scale=2.0), *prefill)
     assert both.count("ragged_paged_attention") >= 2  # decodes apart from the prefill
-    mosaic = lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.1, k_scale=0.5,
-                                              v_scale=2.0, implementation="mosaic"), *prefill)
-    assert "mosaic_gpu" in mosaic and mosaic.count("ragged_paged_attention") >= 2
     kv = sds((100, 8, 128), jnp.bfloat16)
     write = jax.jit(functools.partial(write_kv_pallas, k_scale=0.5), donate_argnums=(0, 1))
     assert "write_kv" in lower_for_h200(write, cache, cache, kv, kv, sds((100,), jnp.int32))
-
-
-def test_fp8_pages_take_mosaic_only_on_request(monkeypatch):
-    """On a Hopper GPU a prefill bucket on float8 pages stays on the Triton kernel by default,
-    unit scales included; implementation='mosaic' is what takes the widened copy."""
-    from pallas_kernels import ragged_paged_attention as rpa
-    monkeypatch.setattr(rpa, "_is_hopper", lambda: True)
-    sds = jax.ShapeDtypeStruct
-    prefill = (sds((64, 32, 128), jnp.bfloat16), sds((64, 8, 16, 128), FP8),
-               sds((64, 8, 16, 128), FP8), sds((8,), jnp.int32), sds((8, 16), jnp.int32),
-               sds((9,), jnp.int32), sds((1,), jnp.int32))
-    default = functools.partial(ragged_paged_attention, sm_scale=0.1)
-    assert "mosaic_gpu" not in lower_for_h200(default, *prefill)
-    assert "mosaic_gpu" in lower_for_h200(functools.partial(default, implementation="mosaic"),
-                                          *prefill)
 
 
 def test_a_float8_cache_the_triton_kernel_cannot_address_is_refused():

@@ -30,18 +30,6 @@ def test_tile_metadata_exact():
     assert (np.asarray(meta)[6:, 2] == 0).all() and meta.shape == (9, 5)
 
 
-def test_tile_metadata_only_the_named_sequences():
-    """seqs leaves the unnamed live sequences without tiles (sequence 2's three, sequence 3's
-    one); the padding rows keep theirs."""
-    cu = jnp.array([0, 5, 5, 40, 41, 41], jnp.int32)
-    kv_lens = jnp.array([10, 3, 35, 100, 7], jnp.int32)
-    meta = tile_metadata(cu, kv_lens, jnp.array([4], jnp.int32), num_tokens=48, tile_tokens=16,
-                         max_tiles=max_tiles(48, 5, 16),
-                         seqs=jnp.array([True, True, False, False, True]))
-    np.testing.assert_array_equal(np.asarray(meta)[:2], [[0, 0, 5, 5, 10], [0, 41, 7, -7, 0]])
-    assert (np.asarray(meta)[2:, 2] == 0).all()
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_tile_metadata_covers_every_row_once(seed):
     rng = np.random.default_rng(seed)
