@@ -88,16 +88,16 @@ def prompts_case(kernel: str):
     """PROMPTS alone on bf16 pages (a 2,048-token bucket) through the Mosaic or the Triton
     kernel."""
     b = random_batch(jax.random.key(0), *PROMPTS, num_tokens=2048, **HEADS)
-    impl = dict(implementation=kernel) if kernel == "mosaic" else dict(
-        block_q=64 // 4, block_k=64, num_warps=4, num_stages=2)  # the Triton prefill tiles
-    return (lambda *a: ragged_paged_attention(*a, sm_scale=0.088, **impl)), attn_args(b)
+    return (lambda *a: ragged_paged_attention(*a, sm_scale=0.088, implementation=kernel)), (
+        attn_args(b))
 
 
 def prompts_dequant_case():
     """PREFILL_STEP's two prompts' float8 pages (K and V) gathered out of the step's cache and
     widened to bf16."""
     b = prefill_batch()
-    pages = b["block_tables"][0][-2:, :-(-1000 // b["k_cache"].shape[2])].reshape(-1)
+    pages_per_prompt = -(-max(PROMPTS[1]) // b["k_cache"].shape[2])
+    pages = b["block_tables"][0][-len(PROMPTS[0]):, :pages_per_prompt].reshape(-1)
     return (lambda k, v, p: (k[p].astype(jnp.bfloat16), v[p].astype(jnp.bfloat16))), (
         b["k_cache"], b["v_cache"], pages)
 
