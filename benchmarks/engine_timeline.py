@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--num-gpu-blocks-override", type=int,
                         help="KV blocks, not sized from free memory")
     parser.add_argument("--variants", default="plain",
@@ -155,7 +156,8 @@ def main() -> None:
     os.makedirs(cli.out, exist_ok=True)
     input_len, output_len, num = map(int, cli.workload.split(","))
     kw = dict(max_num_seqs=cli.max_num_seqs, quantization=cli.quantization,
-              kv_cache_dtype=cli.kv_cache_dtype, num_gpu_blocks_override=cli.num_gpu_blocks_override)
+              kv_cache_dtype=cli.kv_cache_dtype, attention_backend=cli.attention_backend,
+              num_gpu_blocks_override=cli.num_gpu_blocks_override)
     if cli.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = cli.max_num_batched_tokens
     if cli.cpu:

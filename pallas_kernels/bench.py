@@ -152,13 +152,19 @@ def fp8_rows_variant(row: dict, fn, args: tuple, want: tuple, *, nbytes: float,
 
 
 def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_size=None,
-               mosaic=False, **kw):
+               mosaic=False, fp8=False, **kw):
     """Triton: NaN-poisoned output, live rows checked. Mosaic (no output aliasing): padding
     rows must come back 0, and page 0, which only the block tables' unused entries name, is
-    NaN: a kernel reading past a sequence's last page returns NaN."""
+    NaN: a kernel reading past a sequence's last page returns NaN. fp8 (with mosaic): a
+    float8 cache with scales through the entry's Mosaic path (its prefill pages staged)."""
     b = random_batch(key, q_lens, kv_lens, dtype=dtype, page_size=page_size,
                      max_seqs=len(q_lens) + 3, num_tokens=int(np.sum(q_lens)) + 7, **heads)
-    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
+    if fp8:
+        b = dict(b, k_cache=(b["k_cache"] * 0.5).astype(jnp.float8_e4m3fn),
+                 v_cache=(b["v_cache"] * 2.0).astype(jnp.float8_e4m3fn))
+        kw = dict(kw, k_scale=2.0, v_scale=0.5)
+    ref_kw = {k: v for k, v in kw.items()
+              if k in ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale")}
     args = attn_args(b)
     ref = ragged_paged_attention_reference(*[a.astype(jnp.float32) if a.dtype == dtype else a
                                              for a in args], **ref_kw)
@@ -166,7 +172,9 @@ def check_case(name, key, q_lens, kv_lens, heads, *, dtype=jnp.bfloat16, page_si
     if mosaic:
         q, k_cache, v_cache, *rest = args
         k_cache, v_cache = (c.at[0].set(jnp.nan) for c in (k_cache, v_cache))
-        out = ragged_paged_attention_mgpu(q, k_cache, v_cache, *rest, **kw)
+        mosaic_kernel = (functools.partial(ragged_paged_attention, implementation="mosaic")
+                         if fp8 else ragged_paged_attention_mgpu)
+        out = mosaic_kernel(q, k_cache, v_cache, *rest, **kw)
         padding_zero = bool((np.asarray(out[live:], np.float32) == 0).all())
     else:
         out = jax.jit(functools.partial(_triton_attention, fill_value=float("nan"), **kw))(*args)
@@ -215,6 +223,12 @@ def correctness(decode_tiles, prefill_tiles):
                                page_size=page_size, dtype=dtype, mosaic=True, sm_scale=0.088))
     results.append(guarded(check_case, "mosaic 1 x 2048 chunk over 2048", next(key), [2048],
                            [4096], HEADS, mosaic=True, sm_scale=0.088))
+    # float8 pages: the 300-token chunk's 1,000 keys overflow the staged pages (twice the
+    # bucket's tokens), so it takes the Triton kernel beside the staged 37 and 200
+    results.append(guarded(check_case, "mosaic fp8 pages, staged + Triton", next(key), mixed_q,
+                           mixed_kv, HEADS, mosaic=True, fp8=True, sm_scale=0.088))
+    results.append(guarded(check_case, "mosaic fp8 pages, 1 x 2048 chunk over 2048", next(key),
+                           [2048], [4096], HEADS, mosaic=True, fp8=True, sm_scale=0.088))
     k_cache, v_cache = (jax.random.normal(next(key), (64, 8, PAGE, 128), jnp.bfloat16)
                         for _ in range(2))
     k, v = (jax.random.normal(next(key), (100, 8, 128), jnp.bfloat16) for _ in range(2))

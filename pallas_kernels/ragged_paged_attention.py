@@ -27,6 +27,10 @@ from pallas_kernels import ptx
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
 _MASK_INIT = -1e30
+# A float8 cache's prefill sequences a bucket stages for the Mosaic kernel at most (the rest take
+# the Triton kernel): its grid holds their tiles, and a program without a tile still takes an
+# SM's shared memory for its turn.
+_MAX_STAGED_SEQS = 16
 # V's int16 words, two at a time (one 32-bit register, bytes b0..b3: even d, odd d of the first
 # word, then of the second) -> the even values (b0, b2; selector 0x5420) or the odd (b1, b3;
 # 0x5431) as an fp16 pair: a byte permute and sm_89's float8 pair conversion (Triton's 16-bit
@@ -142,7 +146,8 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
     q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
     block_start = q_start + (pid - seq_starts_ref[seq]) * block_q
 
-    runs = (block_start < q_end) & (seq < num_seqs_ref[0])
+    # a sequence given no keys (kv_len 0) is another kernel's: its rows are left as they are
+    runs = (block_start < q_end) & (seq < num_seqs_ref[0]) & (kv_lens_ref[seq] > 0)
     if only is not None:  # one kind of sequence: decodes (q_len 1) or the rest
         runs &= (q_end - q_start == 1) == (only == "decode")
 
@@ -335,31 +340,37 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     and TMA on Hopper, the faster prefill, docs/benchmarks.md) or None: Mosaic for prefill
     buckets (more tokens than sequences) on a Hopper GPU where it supports the call and no
     Triton tile is given, else Triton.
-    Padding rows (past cu_q_lens[num_seqs]) come back zero. A float8_e4m3fn cache (scales
-    k_scale, v_scale) takes the Triton kernel: the Mosaic kernel reads 16-bit pages only.
+    Padding rows (past cu_q_lens[num_seqs]) come back zero. On a float8_e4m3fn cache (scales
+    k_scale, v_scale) the Mosaic kernel, which reads 16-bit pages, takes the prefill through
+    16-bit copies of its prefill sequences' pages (`_staged_mosaic`), and the decodes take the
+    Triton kernel.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     max_seqs = block_tables.shape[0]
     if implementation not in (None, "triton", "mosaic"):
         raise ValueError(f"implementation={implementation!r} must be None, 'triton' or 'mosaic'")
-    supported = mgpu.supports(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap)
-    unscaled = (k_scale, v_scale) == (1.0, 1.0)
-    if implementation == "mosaic" and not (supported and unscaled):
-        raise ValueError("implementation='mosaic' takes 16-bit q/K/V, head_dim 64 or 128, a query "
-                         "group of 1, 2, 4 or 8, a block_size of 8, 16, 32, 64 or 128, no KV "
-                         f"scales and no sliding window or soft cap; got q {q.shape} {q.dtype}, "
-                         f"k_cache {k_cache.shape}")
+    fp8_pages = k_cache.dtype == jnp.float8_e4m3fn
+    # a float8 cache reaches the Mosaic kernel through 16-bit copies of its prefill pages
+    mosaic_pages = jax.ShapeDtypeStruct(k_cache.shape, q.dtype) if fp8_pages else k_cache
+    supported = (mgpu.supports(q, mosaic_pages, sliding_window=sliding_window, soft_cap=soft_cap)
+                 and (fp8_pages or (k_scale, v_scale) == (1.0, 1.0)))
+    if implementation == "mosaic" and not supported:
+        raise ValueError("implementation='mosaic' takes 16-bit q, 16-bit or float8 K/V, head_dim "
+                         "64 or 128, a query group of 1, 2, 4 or 8, a block_size of 8, 16, 32, 64 "
+                         "or 128, KV scales only on a float8 cache and no sliding window or soft "
+                         f"cap; got q {q.shape} {q.dtype}, k_cache {k_cache.shape} "
+                         f"{k_cache.dtype}")
     triton_tiles = (block_q, block_k, num_kv_splits, num_warps, num_stages) != (None,) * 5
-    auto_mosaic = (implementation is None and supported and unscaled and not interpret
-                   and not triton_tiles
+    auto_mosaic = (implementation is None and supported and not interpret and not triton_tiles
                    and q.shape[0] > max_seqs and _is_hopper())
-    if implementation == "mosaic" or auto_mosaic:
-        return mgpu.ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables,
-                                                cu_q_lens, num_seqs, sm_scale=sm_scale)
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               interpret=interpret, k_scale=k_scale, v_scale=v_scale)
-    if not triton_tiles and k_cache.dtype == jnp.float8_e4m3fn and q.shape[0] > max_seqs:
+    if implementation == "mosaic" or auto_mosaic:
+        if fp8_pages:
+            return _staged_mosaic(*args, **kw)
+        return mgpu.ragged_paged_attention_mgpu(*args, sm_scale=sm_scale)
+    if not triton_tiles and fp8_pages and q.shape[0] > max_seqs:
         # A prefill bucket's decodes launch apart, at the decode tiling: on float8 pages it
         # reads them faster than the prefill tiling (experiments/fp8_kv_attention_gpu.py).
         return _triton_attention(*args, only="prefill", **kw,
@@ -367,6 +378,60 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens
     return _triton_attention(*args, block_q=block_q, block_k=block_k,
                              num_kv_splits=num_kv_splits, num_warps=num_warps,
                              num_stages=num_stages, **kw)
+
+
+def _staged_mosaic(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                   sm_scale, k_scale, v_scale, **triton_kw):
+    """A float8 cache's bucket with the prefill on the Mosaic kernel: its sequences' pages
+    staged in 16 bits while they fit twice the bucket's tokens of pages and _MAX_STAGED_SEQS
+    sequences (their K as float8 values, exact in 16 bits, k_scale folded into the scores; V
+    times v_scale); the prefill sequences past that, then the decodes, on the Triton kernel,
+    each writing its own rows."""
+    num_staged = min(k_cache.shape[0], 2 * pl.cdiv(q.shape[0], k_cache.shape[2]))
+    max_staged_seqs = min(_MAX_STAGED_SEQS, block_tables.shape[0])
+    k16, v16, tables, staged_kv_lens, rest_kv_lens = _stage_prefill_pages(
+        k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, dtype=q.dtype,
+        v_scale=v_scale, num_staged=num_staged, max_staged_seqs=max_staged_seqs)
+    out = mgpu.ragged_paged_attention_mgpu(q, k16, v16, staged_kv_lens, tables, cu_q_lens,
+                                           num_seqs, sm_scale=sm_scale * k_scale,
+                                           max_keyed_seqs=max_staged_seqs)
+    kw = dict(triton_kw, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+    out = _triton_attention(q, k_cache, v_cache, rest_kv_lens, block_tables, cu_q_lens,
+                            num_seqs, only="prefill", out=out, **kw)
+    return _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                             only="decode", out=out, **kw)
+
+
+def _stage_prefill_pages(k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                         dtype, v_scale: float, num_staged: int, max_staged_seqs: int):
+    """The pages of the prefill sequences (q_len > 1), in batch order while they fit
+    `num_staged` pages and `max_staged_seqs` sequences, copied from a float8 cache in `dtype`:
+    (k, v [num_staged, Hkv, P, D] (v times v_scale), their block tables [S, B], kv_lens of the
+    staged sequences and of the others [S], each 0 where the other holds the sequence). Slots
+    past the staged pages copy page 0 (finite, never read)."""
+    page_size = k_cache.shape[2]
+    max_seqs, max_pages = block_tables.shape
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    prefill = (jnp.arange(max_seqs) < num_seqs[0]) & (q_lens > 1)
+    pages = jnp.where(prefill, pl.cdiv(kv_lens, page_size), 0)  # [S]
+    end = jnp.cumsum(pages)
+    start = end - pages
+    # end and the count grow: the staged sequences are a prefix of the prefill ones
+    staged = prefill & (end <= num_staged) & (jnp.cumsum(prefill) <= max_staged_seqs)
+    slot = jnp.arange(num_staged, dtype=jnp.int32)
+    # compare_all: one fusion, where the default method is a while loop (a host round trip an
+    # iteration on the GPU)
+    seq = jnp.minimum(jnp.searchsorted(end, slot, side="right", method="compare_all"),
+                      max_seqs - 1)  # [num_staged]
+    used = slot < jnp.sum(jnp.where(staged, pages, 0))
+    page = block_tables[seq, jnp.clip(slot - start[seq], 0, max_pages - 1)]
+    # the page ids once: fused into the copy, XLA would recompute them for every element
+    src = jax.lax.optimization_barrier(jnp.where(used, page, 0))
+    k = k_cache[src].astype(dtype)
+    v = (v_cache[src].astype(jnp.float32) * v_scale).astype(dtype)
+    tables = jnp.minimum(start[:, None] + jnp.arange(max_pages)[None, :], num_staged - 1)
+    return (k, v, tables.astype(jnp.int32), jnp.where(staged, kv_lens, 0),
+            jnp.where(staged, 0, kv_lens))
 
 
 def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *,
@@ -455,7 +520,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     )(*inputs, *out_init)
     if num_kv_splits == 1:
         return outs[0]
-    owned = _owned_tokens(cu_q_lens, num_seqs, num_tokens, only)
+    owned = _owned_tokens(cu_q_lens, kv_lens, num_seqs, num_tokens, only)
     rest = jnp.zeros((), q.dtype) if out is None else out
     return jnp.where(owned[:, None, None], _merge_splits(*outs).astype(q.dtype), rest)
 
@@ -464,14 +529,15 @@ def _token_seqs(cu_q_lens, num_tokens):
     """Each flat token [T], its sequence [T] (padding tokens: the last), and q_lens [S]."""
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), q_lens.shape[0] - 1)
+    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right", method="compare_all"),
+                      q_lens.shape[0] - 1)
     return token, seq, q_lens
 
 
-def _owned_tokens(cu_q_lens, num_seqs, num_tokens, only):
-    """[T] bool: the live tokens whose sequence is of the kind `only` names (None: all)."""
+def _owned_tokens(cu_q_lens, kv_lens, num_seqs, num_tokens, only):
+    """[T] bool: the live tokens of sequences with keys whose kind `only` names (None: all)."""
     token, seq, q_lens = _token_seqs(cu_q_lens, num_tokens)
-    live = token < cu_q_lens[num_seqs[0]]
+    live = (token < cu_q_lens[num_seqs[0]]) & (kv_lens[seq] > 0)
     if only is None:
         return live
     return live & ((q_lens[seq] == 1) == (only == "decode"))

@@ -51,17 +51,22 @@ def tile_metadata(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int, tile_tokens:
     """-> [max_tiles, 5] int32, per query tile: its sequence, first flat token, token count,
     first query position, and the sequence's kv_len. Each live sequence's tokens split into
     tiles of `tile_tokens`; the padding rows [cu_q_lens[num_seqs], num_tokens) follow as tiles
-    with kv_len 0 (the kernel writes them zeros); the rest are empty (token count 0)."""
+    with kv_len 0 (the kernel writes them zeros); the rest are empty (token count 0). A live
+    sequence of kv_len 0 gets no tile: its rows are left unwritten, for another kernel."""
     max_seqs = kv_lens.shape[0]
     live = jnp.arange(max_seqs) < num_seqs[0]
     live_end = cu_q_lens[num_seqs[0]]
     starts = jnp.append(cu_q_lens[:-1], live_end)  # [S + 1]: the padding rows as one more
-    lens = jnp.append(jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0), num_tokens - live_end)
+    keyed = live & (kv_lens > 0)  # a live sequence without keys is another kernel's: no tiles
+    lens = jnp.append(jnp.where(keyed, cu_q_lens[1:] - cu_q_lens[:-1], 0), num_tokens - live_end)
     kv = jnp.append(jnp.where(live, kv_lens, 0), 0)
     tiles_per = (lens + tile_tokens - 1) // tile_tokens
     tiles_end = jnp.cumsum(tiles_per)
     tile = jnp.arange(max_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right"), max_seqs)
+    # compare_all: one fusion, where the default method is a while loop (a host round trip an
+    # iteration on the GPU)
+    seq = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"),
+                      max_seqs)
     first = (tiles_end - tiles_per)[seq] * tile_tokens  # the sequence's first tile, in tokens
     offset = tile * tile_tokens - first
     ntok = jnp.where(tile < tiles_end[-1], jnp.clip(lens[seq] - offset, 0, tile_tokens), 0)
@@ -245,12 +250,16 @@ def _store_rows(o_rows, out_ref, tok0, ntok, kv_head, group, tokens_per_wg):
             size //= 2
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_stages",
+                                             "max_keyed_seqs"))
 def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                                 *, sm_scale: float, block_kv: int = 128,
-                                num_stages: int = 2):
+                                num_stages: int = 2, max_keyed_seqs: int | None = None):
     """The Mosaic GPU kernel (Hopper); the contract of `ragged_paged_attention`, within
-    `supports`. Padding rows (past cu_q_lens[num_seqs]) come back zero."""
+    `supports`. Padding rows (past cu_q_lens[num_seqs]) come back zero. max_keyed_seqs: the
+    most live sequences with keys (kv_len > 0) a call has, if fewer than the batch's slots; the
+    grid then holds that many sequences' tiles (an empty program still claims a GPU's shared
+    memory for its turn)."""
     if not supports(q, k_cache, block_kv=block_kv):
         raise ValueError(f"ragged_paged_attention_mgpu: unsupported q {q.shape} {q.dtype}, "
                          f"cache {k_cache.shape} {k_cache.dtype}, block_kv={block_kv}")
@@ -262,7 +271,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q
                          f"of shared memory; the H200 has {_SMEM_BYTES}")
     group = num_q_heads // num_kv_heads
     tile_tokens = 2 * (_ROWS // group)
-    num_tiles = max_tiles(num_tokens, block_tables.shape[0], tile_tokens)
+    num_tiles = max_tiles(num_tokens, max_keyed_seqs or block_tables.shape[0], tile_tokens)
     meta = tile_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                          tile_tokens=tile_tokens, max_tiles=num_tiles)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -14,6 +14,7 @@ from test_ragged_paged_attention import make_batch, poison, rel_err
 
 from jaxllm.models.quant import GEMV_MAX_TOKENS, linear, quantize_fp8
 from pallas_kernels import quant_matmul as qm
+from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.kv_write import write_kv_pallas, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (_triton_attention, ragged_paged_attention,
                                                    ragged_paged_attention_reference)
@@ -233,16 +234,78 @@ def test_fp8_prefill_bucket_runs_its_decodes_apart():
     assert rel_err(out[:live], ref[:live]) < 2e-2
 
 
-def test_fp8_cache_routes_prefill_to_triton_and_refuses_mosaic():
+@pytest.mark.parametrize("num_staged,max_seqs,staged_seqs", [
+    (16, 16, [1]), (64, 1, [1]), (64, 16, [1, 4]), (2, 16, [])])
+def test_fp8_prefill_pages_staged_in_16_bits(num_staged, max_seqs, staged_seqs):
+    """The prefill sequences' pages copied for the Mosaic kernel, in batch order while they fit
+    the pages and the sequences given: attention over the copies (k_scale folded into sm_scale)
+    is the float8 cache's; the decodes and the sequences not staged keep their kv_lens for the
+    Triton kernel. Prefill sequences: 1 (47 keys: 3 pages) and 4 (213 keys: 14 pages)."""
+    _, clean, _ = mixed_fp8_batch(70)
+    q, k_cache, v_cache, kv_lens, tables, cu, num_seqs = clean
+    k16, v16, staged_tables, staged_kv, rest_kv = rpa._stage_prefill_pages(
+        k_cache, v_cache, kv_lens, tables, cu, num_seqs, dtype=jnp.bfloat16, v_scale=4.0,
+        num_staged=num_staged, max_staged_seqs=max_seqs)
+    assert k16.shape == (num_staged, *k_cache.shape[1:]) and k16.dtype == jnp.bfloat16
+    staged = np.isin(np.arange(7), staged_seqs)
+    np.testing.assert_array_equal(staged_kv, np.where(staged, kv_lens, 0))
+    np.testing.assert_array_equal(rest_kv, np.where(staged, 0, kv_lens))
+    ref_in = [clean[0].astype(jnp.float32), *clean[1:]]
+    want = ragged_paged_attention_reference(*ref_in, sm_scale=0.125, k_scale=0.25, v_scale=4.0)
+    got = ragged_paged_attention_reference(
+        q.astype(jnp.float32), k16.astype(jnp.float32), v16.astype(jnp.float32), staged_kv,
+        staged_tables, cu, num_seqs, sm_scale=0.125 * 0.25)
+    for s in staged_seqs:
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        assert np.isfinite(np.asarray(got[rows])).all()
+        assert rel_err(got[rows], want[rows]) < 1e-2  # V times its scale, rounded to bf16
+
+
+def test_fp8_mosaic_path_writes_every_row_from_its_kernel(monkeypatch):
+    """implementation='mosaic' on float8 pages: the staged prefill on the Mosaic kernel (here a
+    stand-in that leaves the rows of sequences without keys NaN, as the kernel leaves them
+    unwritten), the prefill past the staged pages and the decodes on the Triton kernel."""
+    def mosaic_stand_in(q, k, v, kv_lens, tables, cu, num_seqs, *, sm_scale, max_keyed_seqs):
+        assert max_keyed_seqs == 7  # the batch's 7 slots, under the 16 staged at most
+        # the kernel masks a last page's rows past kv_len (poisoned here), the reference's
+        # products with them would be NaN
+        k, v = (jnp.nan_to_num(x.astype(jnp.float32)) for x in (k, v))
+        out = ragged_paged_attention_reference(q.astype(jnp.float32), k, v, kv_lens, tables, cu,
+                                               num_seqs, sm_scale=sm_scale)
+        token = jnp.arange(q.shape[0])
+        seq = jnp.searchsorted(cu[1:], token, side="right")
+        keyless = (token < cu[num_seqs[0]]) & (kv_lens[jnp.minimum(seq, kv_lens.shape[0] - 1)] == 0)
+        live = token < cu[num_seqs[0]]
+        out = jnp.where(keyless[:, None, None], jnp.nan, jnp.where(live[:, None, None], out, 0))
+        return out.astype(q.dtype)
+
+    monkeypatch.setattr(rpa.mgpu, "ragged_paged_attention_mgpu", mosaic_stand_in)
+    poisoned, clean, is_decode = mixed_fp8_batch(80)
+    kw = dict(sm_scale=0.125, k_scale=0.25, v_scale=4.0, interpret=True)
+    out = jax.jit(lambda *a: rpa._staged_mosaic(*a, **kw))(*poisoned)
+    ref = ragged_paged_attention_reference(clean[0].astype(jnp.float32), *clean[1:],
+                                           sm_scale=0.125, k_scale=0.25, v_scale=4.0)
+    live = len(is_decode)
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    assert rel_err(out[:live], ref[:live]) < 2e-2
+    np.testing.assert_array_equal(out[live:], 0.0)
+
+
+def test_fp8_cache_takes_mosaic_only_where_supported():
     args = make_batch(40, [9, 4], [20, 4], num_q_heads=4, num_kv_heads=2, head_dim=64,
                       page_size=16, dtype=jnp.bfloat16, max_seqs=2, num_tokens=16)
     q, k_cache, v_cache, *rest = args
     fp8_args = (q, k_cache.astype(FP8), v_cache.astype(FP8), *rest)
-    with pytest.raises(ValueError, match="16-bit q/K/V"):
-        ragged_paged_attention(*fp8_args, sm_scale=0.1, implementation="mosaic")
+    with pytest.raises(ValueError, match="no sliding window"):
+        ragged_paged_attention(*fp8_args, sm_scale=0.1, sliding_window=8,
+                               implementation="mosaic")
+    with pytest.raises(ValueError, match="16-bit q"):
+        ragged_paged_attention(fp8_args[0].astype(jnp.float32), *fp8_args[1:], sm_scale=0.1,
+                               implementation="mosaic")
 
 
-def test_fp8_cache_lowers_for_cuda():
+def test_fp8_cache_lowers_for_cuda(monkeypatch):
     sds = jax.ShapeDtypeStruct
     cache = sds((64, 8, 16, 128), FP8)
     for num_tokens, splits in ((8, 4), (8, 1), (64, 1)):  # decode: V as float8, as pairs
@@ -255,7 +318,17 @@ def test_fp8_cache_lowers_for_cuda():
                sds((8, 16), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
     both = lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.1, k_scale=0.5,
                                             v_scale=2.0), *prefill)
-    assert both.count("ragged_paged_attention") >= 2  # decodes apart from the prefill
+    # off Hopper: the prefill on Triton too, the decodes apart
+    assert "mosaic_gpu" not in both and both.count("ragged_paged_attention") >= 2
+    monkeypatch.setattr(rpa, "_is_hopper", lambda: True)
+    for implementation in ("mosaic", None):  # on Hopper the staged prefill is the default
+        staged = lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.1,
+                                                  k_scale=0.5, v_scale=2.0,
+                                                  implementation=implementation), *prefill)
+        assert "mosaic_gpu" in staged and staged.count("ragged_paged_attention") >= 2
+    triton = lower_for_h200(functools.partial(ragged_paged_attention, sm_scale=0.1, k_scale=0.5,
+                                              v_scale=2.0, implementation="triton"), *prefill)
+    assert "mosaic_gpu" not in triton
     kv = sds((100, 8, 128), jnp.bfloat16)
     write = jax.jit(functools.partial(write_kv_pallas, k_scale=0.5), donate_argnums=(0, 1))
     assert "write_kv" in lower_for_h200(write, cache, cache, kv, kv, sds((100,), jnp.int32))

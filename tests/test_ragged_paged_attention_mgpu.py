@@ -30,6 +30,18 @@ def test_tile_metadata_exact():
     assert (np.asarray(meta)[6:, 2] == 0).all() and meta.shape == (9, 5)
 
 
+def test_tile_metadata_skips_a_live_sequence_without_keys():
+    """kv_len 0 marks a sequence another kernel takes (a float8 cache's decodes and unstaged
+    prefill): no tile, so its rows stay unwritten; the padding rows still get theirs."""
+    cu = jnp.array([0, 5, 6, 20], jnp.int32)
+    kv_lens = jnp.array([0, 40, 30], jnp.int32)
+    meta = np.asarray(tile_metadata(cu, kv_lens, jnp.array([3], jnp.int32), num_tokens=24,
+                                    tile_tokens=16, max_tiles=max_tiles(24, 3, 16)))
+    np.testing.assert_array_equal(meta[:3], [[1, 5, 1, 39, 40], [2, 6, 14, 16, 30],
+                                             [0, 20, 4, -4, 0]])
+    assert (meta[3:, 2] == 0).all()
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_tile_metadata_covers_every_row_once(seed):
     rng = np.random.default_rng(seed)

@@ -3,14 +3,15 @@ kernel on a bf16 cache, with V read as float8 or as int16 pairs (the kernel's v_
 default tiles and at others (the engine's 256-sequence decode step spent 19.5 ms in attention
 on an FP8 cache and 13.1 ms on bf16: docs/lab/, session 13).
 
-    python benchmarks/experiments/fp8_kv_attention_gpu.py --out DIR [--cpu]
+    python benchmarks/experiments/fp8_kv_attention_gpu.py --out DIR [--cpu] [--case mixed]
 
 Cases: decode, 512 sequences x 1536 tokens and 8 x 8192 (KV splits); a mixed prefill bucket
-(511 decodes at 1536 and a 1536-token prompt, 2048 tokens); and the 512 x 1536 decode's bytes
-as 4,096 sequences of one KV head (4 q heads) each: a program then reads its pages as contiguous
-runs (16 tokens x 128 dims, 2 KB in float8) where the cache's [page, token, head, dim] layout
-gives it 128-byte pieces 1 KB apart, the locality of a head-major page layout (TensorRT-LLM's)
-without changing the kernel. Each FP8 output against the fp32 reference of the same cache;
+(511 decodes at 1536 and a 1536-token prompt, 2048 tokens; on the GPU also through the entry's
+Mosaic path: bf16 pages, and float8 pages with the prompt's pages staged in 16 bits); and the
+512 x 1536 decode's bytes as 4,096 sequences of one KV head (4 q heads) each: a program then
+reads its pages as contiguous runs (16 tokens x 128 dims, 2 KB in float8) where the cache's
+[page, token, head, dim] layout gives it 128-byte pieces 1 KB apart, the locality of a
+head-major page layout (TensorRT-LLM's) without changing the kernel. Each FP8 output against the fp32 reference of the same cache;
 times by `ceilings.time_chain`; % of the copy bandwidth for the cache bytes read.
 """
 
@@ -37,8 +38,9 @@ def variants(case: str, cpu: bool) -> list[tuple[str, dict]]:
     at other tiles (block_k, warps, stages); on the mixed bucket the decodes at the prefill
     tiling (one launch) or apart (the entry's default, and at 64-token tiles)."""
     if case.startswith("mixed"):
+        mosaic = [] if cpu else [("bf16", dict(only="entry")), ("fp8", dict(only="mosaic"))]
         return [("fp8", dict(only=None)), ("fp8", dict(only="split")),
-                ("fp8", dict(only="split", decode_block_k=64))]
+                ("fp8", dict(only="split", decode_block_k=64)), *mosaic]
     if cpu:
         return [("bf16", {}), ("fp8", {})]
     if case.startswith("decode 8") or "one KV head" in case:  # KV splits; the locality probe
@@ -48,9 +50,15 @@ def variants(case: str, cpu: bool) -> list[tuple[str, dict]]:
 
 
 def attention(q, args, cache, cpu, kw):
-    """One launch, or (only="split") the entry's two: decodes, then the rest."""
+    """One launch, or (only="split") the entry's two: decodes, then the rest; or the entry
+    itself (only="entry": on bf16 pages on Hopper, the Mosaic kernel) or its Mosaic path
+    (only="mosaic": on float8 pages, the prefill's pages staged in 16 bits)."""
     kw = dict(kw, sm_scale=0.088, interpret=cpu, k_scale=1.0 if cache == "bf16" else 2.0)
-    if kw.pop("only", None) == "split":
+    only = kw.pop("only", None)
+    if only in ("entry", "mosaic"):
+        return ragged_paged_attention(q, *args[1:], **kw,
+                                      implementation="mosaic" if only == "mosaic" else None)
+    if only == "split":
         if "decode_block_k" not in kw:
             return ragged_paged_attention(q, *args[1:], **kw)
         decodes = _triton_attention(q, *args[1:], only="decode", block_k=kw.pop("decode_block_k"),
@@ -63,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--case", default="", help="only the cases whose name starts so")
     cli = parser.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     one_head = dict(HEADS, num_q_heads=HEADS["num_q_heads"] // HEADS["num_kv_heads"],
@@ -78,13 +87,16 @@ def main() -> None:
     copy = 1.0 if cli.cpu else measure_ceilings("bfloat16").hbm_bytes_per_s / 1e9
     rows = []
     for case, (q_lens, kv_lens, heads) in cases.items():
+        if not case.startswith(cli.case):
+            continue
         # two copies at most: a float8 cache stays under the 2 GiB the kernel can address
         b = random_batch(jax.random.key(0), q_lens, kv_lens, copies=1 if cli.cpu else 2,
                          num_tokens=_bucket(sum(q_lens)), max_seqs=len(q_lens), **heads)
         b8 = dict(b, k_cache=(b["k_cache"] * 0.5).astype(FP8), v_cache=b["v_cache"].astype(FP8))
         batches = {"bf16": b, "fp8": b8}
         refs = {"fp8": ragged_paged_attention_reference(*attn_args(b8), sm_scale=0.088,
-                                                        k_scale=2.0)}
+                                                        k_scale=2.0),
+                "bf16": ragged_paged_attention_reference(*attn_args(b), sm_scale=0.088)}
         for cache, kw in variants(case, cli.cpu):
             batch = batches[cache]
 
