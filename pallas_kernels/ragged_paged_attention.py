@@ -419,10 +419,7 @@ def _stage_prefill_pages(k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     # end and the count grow: the staged sequences are a prefix of the prefill ones
     staged = prefill & (end <= num_staged) & (jnp.cumsum(prefill) <= max_staged_seqs)
     slot = jnp.arange(num_staged, dtype=jnp.int32)
-    # compare_all: one fusion, where the default method is a while loop (a host round trip an
-    # iteration on the GPU)
-    seq = jnp.minimum(jnp.searchsorted(end, slot, side="right", method="compare_all"),
-                      max_seqs - 1)  # [num_staged]
+    seq = jnp.minimum(mgpu.count_at_most(end, slot), max_seqs - 1)  # [num_staged]
     used = slot < jnp.sum(jnp.where(staged, pages, 0))
     page = block_tables[seq, jnp.clip(slot - start[seq], 0, max_pages - 1)]
     # the page ids once: fused into the copy, XLA would recompute them for every element
@@ -529,8 +526,7 @@ def _token_seqs(cu_q_lens, num_tokens):
     """Each flat token [T], its sequence [T] (padding tokens: the last), and q_lens [S]."""
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right", method="compare_all"),
-                      q_lens.shape[0] - 1)
+    seq = jnp.minimum(mgpu.count_at_most(cu_q_lens[1:], token), q_lens.shape[0] - 1)
     return token, seq, q_lens
 
 

@@ -46,6 +46,13 @@ def supports(q, k_cache, *, sliding_window=None, soft_cap=None, block_kv: int = 
             and sliding_window is None and soft_cap is None)
 
 
+def count_at_most(ends, values):
+    """[V] int32: how many of the sorted `ends` are <= each of `values` (searchsorted, right).
+    As one compare-all fusion: jnp's default method is a while loop, a host round trip an
+    iteration on the GPU."""
+    return jnp.searchsorted(ends, values, side="right", method="compare_all").astype(jnp.int32)
+
+
 def tile_metadata(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int, tile_tokens: int,
                   max_tiles: int):
     """-> [max_tiles, 5] int32, per query tile: its sequence, first flat token, token count,
@@ -63,10 +70,7 @@ def tile_metadata(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int, tile_tokens:
     tiles_per = (lens + tile_tokens - 1) // tile_tokens
     tiles_end = jnp.cumsum(tiles_per)
     tile = jnp.arange(max_tiles, dtype=jnp.int32)
-    # compare_all: one fusion, where the default method is a while loop (a host round trip an
-    # iteration on the GPU)
-    seq = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"),
-                      max_seqs)
+    seq = jnp.minimum(count_at_most(tiles_end, tile), max_seqs)
     first = (tiles_end - tiles_per)[seq] * tile_tokens  # the sequence's first tile, in tokens
     offset = tile * tile_tokens - first
     ntok = jnp.where(tile < tiles_end[-1], jnp.clip(lens[seq] - offset, 0, tile_tokens), 0)
