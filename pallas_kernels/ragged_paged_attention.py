@@ -135,11 +135,31 @@ def _fp8_pairs_to_f16(words, interpret):
 
 
 def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
-                      q_ref, k_ref, v_ref, *refs, sm_scale, sliding_window, soft_cap, group,
-                      group_pad, block_q, block_k, page_size, num_kv_heads, num_splits, num_sms,
-                      k_scale, v_scale, only, interpret):
+                      q_ref, k_ref, v_ref, *refs, num_splits, loop_q_blocks, **static):
     o_ref, lse_ref = (refs[-2], refs[-1]) if num_splits > 1 else (refs[-1], None)
-    pid, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    attend = functools.partial(_attend, seq_starts_ref=seq_starts_ref, cu_q_lens_ref=cu_q_lens_ref,
+                               kv_lens_ref=kv_lens_ref, block_tables_ref=block_tables_ref,
+                               num_seqs_ref=num_seqs_ref, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
+                               o_ref=o_ref, lse_ref=lse_ref, kv_head=pl.program_id(1),
+                               split=pl.program_id(2), num_splits=num_splits, **static)
+    if not loop_q_blocks:
+        return attend(pl.program_id(0))
+    # Fewer programs than q blocks: program p takes blocks p, p + programs, ... below the end
+    # of the last block with work (refs[0]), so a launch with none costs a load a program.
+    first, programs = pl.program_id(0), pl.num_programs(0)
+
+    def block(i, carry):
+        attend(first + i * programs)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(refs[0][0] - first, 0), programs), block, 0)
+
+
+def _attend(pid, *, seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, num_seqs_ref,
+            q_ref, k_ref, v_ref, o_ref, lse_ref, kv_head, split, sm_scale, sliding_window,
+            soft_cap, group, group_pad, block_q, block_k, page_size, num_kv_heads, num_splits,
+            num_sms, k_scale, v_scale, only, interpret):
+    """The kernel's work for q block `pid` (all of it, for one KV head and split)."""
     # The q blocks of sequence s start at cu_q_lens[s] // block_q + s, so a sequence of q_len 0
     # owns one block that exits at once, and cdiv(T, block_q) + S blocks cover any batch.
     seq = jnp.sum((seq_starts_ref[...] <= pid).astype(jnp.int32)) - 1
@@ -182,7 +202,7 @@ def _attention_kernel(seq_starts_ref, cu_q_lens_ref, kv_lens_ref, block_tables_r
         # Splits in use this step, from the live batch; the grid holds the most a bucket can use
         # and the splits past these find an empty range.
         live_programs = jnp.maximum(num_seqs_ref[0], pl.cdiv(cu_q_lens_ref[num_seqs_ref[0]],
-                                                             block_q)) * pl.num_programs(1)
+                                                             block_q)) * num_kv_heads
         splits_used = jnp.clip(pl.cdiv(2 * num_sms, live_programs), 1, num_splits)
         per_split = pl.cdiv(tile_hi - tile_lo, splits_used)
         t0 = tile_lo + split * per_split
@@ -396,8 +416,11 @@ def _staged_mosaic(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
                                            num_seqs, sm_scale=sm_scale * k_scale,
                                            max_keyed_seqs=max_staged_seqs)
     kw = dict(triton_kw, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+    # The prefill past the staged pages is rare: its launch takes as many programs as the GPU
+    # holds at once (two an SM at the prefill tiling), not one a q block, mostly idle.
     out = _triton_attention(q, k_cache, v_cache, rest_kv_lens, block_tables, cu_q_lens,
-                            num_seqs, only="prefill", out=out, **kw)
+                            num_seqs, only="prefill", out=out, **kw,
+                            q_block_programs=pl.cdiv(2 * _num_sms(), k_cache.shape[1]))
     return _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
                              only="decode", out=out, **kw)
 
@@ -436,7 +459,8 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
                       block_k=None, num_kv_splits=None, num_warps=None, num_stages=None,
                       fill_value: float | None = None, k_scale: float = 1.0,
                       v_scale: float = 1.0, v_pairs: bool | None = None,
-                      only: str | None = None, out: jax.Array | None = None):
+                      only: str | None = None, out: jax.Array | None = None,
+                      q_block_programs: int | None = None):
     """The Triton kernel, traced inside a jit. Its output starts as `fill_value` (default 0),
     which is what rows it does not write (padding) hold; the tests and the GPU check pass NaN,
     so that an element it should have written and did not shows. The KV splits' partial
@@ -445,7 +469,9 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     int16 pairs (the kernel's v_pairs; default: in decode buckets without KV splits, where q is
     16-bit: benchmarks/experiments/fp8_kv_attention_gpu.py).
     only: "decode" (sequences of q_len 1, at the decode bucket's tiling) or "prefill" (the
-    others): the rows of the other kind come from `out` (else `fill_value`)."""
+    others): the rows of the other kind come from `out` (else `fill_value`).
+    q_block_programs: launch that many programs along the q blocks, each looping over its share
+    of the blocks with work (default: a program a block)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
@@ -478,6 +504,9 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
 
     num_q_blocks = pl.cdiv(num_tokens, block_q) + max_seqs
     seq_starts = cu_q_lens[:-1] // block_q + jnp.arange(max_seqs, dtype=jnp.int32)
+    loop_q_blocks = q_block_programs is not None and q_block_programs < num_q_blocks
+    blocks_end = (_blocks_end(seq_starts, cu_q_lens, kv_lens, num_seqs, block_q, only),
+                  ) if loop_q_blocks else ()
     seq_starts = jnp.pad(seq_starts, (0, _next_pow2(max_seqs) - max_seqs),
                          constant_values=jnp.iinfo(jnp.int32).max)  # [pow2 >= S]
     flat = (num_pages * num_kv_heads * page_size, head_dim)  # row (page * Hkv + head) * P + p
@@ -495,7 +524,7 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k, page_size=page_size,
         num_kv_heads=num_kv_heads,
         num_splits=num_kv_splits, num_sms=_num_sms(), k_scale=k_scale, v_scale=v_scale,
-        only=only, interpret=interpret)
+        only=only, loop_q_blocks=loop_q_blocks, interpret=interpret)
     v_flat = v_cache.reshape(flat)
     if v_pairs is None:
         v_pairs = decode_bucket and num_kv_splits == 1
@@ -503,10 +532,10 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
         v_flat = jax.lax.bitcast_convert_type(v_flat.reshape(flat[0], head_dim // 2, 2),
                                               jnp.int16)
     inputs = (seq_starts, cu_q_lens, kv_lens, block_tables, num_seqs, q, k_cache.reshape(flat),
-              v_flat)
+              v_flat, *blocks_end)
     outs = pl.pallas_call(
         kernel,
-        grid=(num_q_blocks, num_kv_heads, num_kv_splits),
+        grid=(q_block_programs if loop_q_blocks else num_q_blocks, num_kv_heads, num_kv_splits),
         out_shape=out_shape,
         input_output_aliases={len(inputs) + i: i for i in range(len(out_init))},
         compiler_params=pltriton.CompilerParams(
@@ -520,6 +549,16 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     owned = _owned_tokens(cu_q_lens, kv_lens, num_seqs, num_tokens, only)
     rest = jnp.zeros((), q.dtype) if out is None else out
     return jnp.where(owned[:, None, None], _merge_splits(*outs).astype(q.dtype), rest)
+
+
+def _blocks_end(seq_starts, cu_q_lens, kv_lens, num_seqs, block_q, only):
+    """[1]: one past the last q block of the sequences a launch for `only` runs (0: none)."""
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    runs = (jnp.arange(q_lens.shape[0]) < num_seqs[0]) & (kv_lens > 0)
+    if only is not None:
+        runs &= (q_lens == 1) == (only == "decode")
+    ends = seq_starts[:q_lens.shape[0]] + pl.cdiv(q_lens, block_q)
+    return jnp.max(jnp.where(runs, ends, 0), keepdims=True)
 
 
 def _token_seqs(cu_q_lens, num_tokens):

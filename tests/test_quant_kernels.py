@@ -198,13 +198,16 @@ def mixed_fp8_batch(seed):
     return poisoned, clean, is_decode
 
 
-@pytest.mark.parametrize("only,splits", [("decode", 1), ("decode", 3), ("prefill", 1),
-                                         ("prefill", 3)])
-def test_triton_attention_only_one_kind_writes_its_rows(only, splits):
+@pytest.mark.parametrize("only,splits,programs", [
+    ("decode", 1, None), ("decode", 3, None), ("prefill", 1, None), ("prefill", 3, None),
+    ("prefill", 1, 2), ("prefill", 3, 1), ("decode", 1, 3)])
+def test_triton_attention_only_one_kind_writes_its_rows(only, splits, programs):
     """A launch for one kind of sequence writes its rows (right) and leaves the others as they
-    came in (`out`), the merge of KV splits included."""
+    came in (`out`), the merge of KV splits included; also with fewer programs than q blocks,
+    each looping over its share."""
     poisoned, clean, is_decode = mixed_fp8_batch(50 + splits)
-    kw = dict(sm_scale=0.125, k_scale=0.25, v_scale=4.0, interpret=True, num_kv_splits=splits)
+    kw = dict(sm_scale=0.125, k_scale=0.25, v_scale=4.0, interpret=True, num_kv_splits=splits,
+              q_block_programs=programs)
     live = len(is_decode)
     before = jnp.full(poisoned[0].shape, 7.0, jnp.bfloat16)
     out = jax.jit(functools.partial(_triton_attention, only=only, fill_value=float("nan"),

@@ -5,7 +5,10 @@ Triton) against implementation="triton" (both on the Triton kernel, two launches
 is checked against the reference first (all live rows, and the prompts' rows alone), then each
 variant is timed as the GPU kernels one call runs: a profiler trace of RUNS calls, every kernel
 of a call summed, the median call. A call's kernels include the page ids and tile metadata
-that a model step computes once for all its layers.
+that a model step computes once for all its layers. Then a step whose prompts overflow the
+16-bit copies (OVERFLOW: 27 of 40 short prompts past the staged sequences' pages, and one past
+all of them) is checked against the reference as well, so that the Triton launch for the
+prompts not staged runs with work.
 
     python benchmarks/experiments/prompts_attention_gpu.py --out DIR
 
@@ -30,13 +33,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from profile_decode import annotated_gpu_events  # noqa: E402
 
-from pallas_kernels.bench import attn_args, rel_err  # noqa: E402
+from pallas_kernels.bench import HEADS, attn_args, random_batch, rel_err  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,  # noqa: E402
                                                    ragged_paged_attention_reference)
 
 RUNS = 20
 SCALES = dict(sm_scale=0.088, k_scale=2.0)  # prefill_batch's float8 pages hold K / 2
 VARIANTS = {"default": {}, "triton": dict(implementation="triton")}
+OVERFLOW = ([1] * 300 + [8] * 40 + [500], [1200] * 300 + [300] * 40 + [6000])
 
 
 def main() -> None:
@@ -70,6 +74,16 @@ def main() -> None:
         print(json.dumps({"variant": name, **short, "kernels": len(runs[-1]),
                           "top": sorted(rows[name]["kernels"], key=lambda kv: -kv[1])[:5]}),
               flush=True)
+    b = random_batch(jax.random.key(1), *OVERFLOW, num_tokens=2048, **HEADS)
+    args = attn_args(dict(b, k_cache=(b["k_cache"] * 0.5).astype(jnp.float8_e4m3fn),
+                          v_cache=b["v_cache"].astype(jnp.float8_e4m3fn)))
+    live = sum(OVERFLOW[0])
+    ref = ragged_paged_attention_reference(args[0].astype(jnp.float32), *args[1:], **SCALES)
+    for name, kw in VARIANTS.items():
+        out = jax.jit(functools.partial(ragged_paged_attention, **SCALES, **kw))(*args)
+        rows[name]["rel_err_overflow"] = rel_err(out[:live], ref[:live])
+        print(json.dumps({"variant": name, "rel_err_overflow": rows[name]["rel_err_overflow"],
+                          "finite": bool(jnp.isfinite(out[:live]).all())}), flush=True)
     with open(os.path.join(cli.out, "prompts_attention.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
