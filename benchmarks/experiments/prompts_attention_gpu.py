@@ -10,7 +10,10 @@ that a model step computes once for all its layers. Then a step whose prompts ov
 all of them) is checked against the reference as well, so that the Triton launch for the
 prompts not staged runs with work.
 
-    python benchmarks/experiments/prompts_attention_gpu.py --out DIR
+    python benchmarks/experiments/prompts_attention_gpu.py --out DIR [--decode-programs N ...]
+
+--decode-programs adds a variant of the default for each N: its decodes' launch with N programs
+along the q blocks, each looping over its share (as the launch for the prompts not staged does).
 
 DIR gets prompts_attention.json: per variant its errors, the median us of a call and the
 kernels of one call (name, us).
@@ -34,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from profile_decode import annotated_gpu_events  # noqa: E402
 
 from pallas_kernels.bench import HEADS, attn_args, random_batch, rel_err  # noqa: E402
+from pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,  # noqa: E402
                                                    ragged_paged_attention_reference)
 
@@ -43,9 +47,26 @@ VARIANTS = {"default": {}, "triton": dict(implementation="triton")}
 OVERFLOW = ([1] * 300 + [8] * 40 + [500], [1200] * 300 + [300] * 40 + [6000])
 
 
+def compile_looped_decodes(args, programs: int):
+    """The default entry compiled with its decodes' launch given `programs` q-block programs."""
+    triton_attention = rpa._triton_attention
+
+    def looped(*a, only=None, **kw):
+        if only == "decode":
+            kw["q_block_programs"] = programs
+        return triton_attention(*a, only=only, **kw)
+
+    rpa._triton_attention = looped
+    try:
+        return jax.jit(functools.partial(ragged_paged_attention, **SCALES)).lower(*args).compile()
+    finally:
+        rpa._triton_attention = triton_attention
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--decode-programs", type=int, nargs="*", default=[])
     cli = parser.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     args = attn_args(ncu_kernels.prefill_batch())
@@ -54,6 +75,8 @@ def main() -> None:
     ref = ragged_paged_attention_reference(args[0].astype(jnp.float32), *args[1:], **SCALES)
     compiled = {name: jax.jit(functools.partial(ragged_paged_attention, **SCALES, **kw))
                 .lower(*args).compile() for name, kw in VARIANTS.items()}
+    for programs in cli.decode_programs:
+        compiled[f"decode_programs_{programs}"] = compile_looped_decodes(args, programs)
     rows = {}
     for name, call in compiled.items():
         out = call(*args)
