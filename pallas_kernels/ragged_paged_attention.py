@@ -551,14 +551,22 @@ def _triton_attention(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num
     return jnp.where(owned[:, None, None], _merge_splits(*outs).astype(q.dtype), rest)
 
 
+def _seq_runs(cu_q_lens, kv_lens, num_seqs, only):
+    """[S] bool: the live sequences with keys of the kind `only` names (None: all), those a
+    launch for `only` runs (the kernel's own test, per sequence)."""
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    runs = (jnp.arange(q_lens.shape[0]) < num_seqs[0]) & (kv_lens > 0)
+    if only is None:
+        return runs
+    return runs & ((q_lens == 1) == (only == "decode"))
+
+
 def _blocks_end(seq_starts, cu_q_lens, kv_lens, num_seqs, block_q, only):
     """[1]: one past the last q block of the sequences a launch for `only` runs (0: none)."""
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    runs = (jnp.arange(q_lens.shape[0]) < num_seqs[0]) & (kv_lens > 0)
-    if only is not None:
-        runs &= (q_lens == 1) == (only == "decode")
     ends = seq_starts[:q_lens.shape[0]] + pl.cdiv(q_lens, block_q)
-    return jnp.max(jnp.where(runs, ends, 0), keepdims=True)
+    return jnp.max(jnp.where(_seq_runs(cu_q_lens, kv_lens, num_seqs, only), ends, 0),
+                   keepdims=True)
 
 
 def _token_seqs(cu_q_lens, num_tokens):
@@ -570,9 +578,6 @@ def _token_seqs(cu_q_lens, num_tokens):
 
 
 def _owned_tokens(cu_q_lens, kv_lens, num_seqs, num_tokens, only):
-    """[T] bool: the live tokens of sequences with keys whose kind `only` names (None: all)."""
-    token, seq, q_lens = _token_seqs(cu_q_lens, num_tokens)
-    live = (token < cu_q_lens[num_seqs[0]]) & (kv_lens[seq] > 0)
-    if only is None:
-        return live
-    return live & ((q_lens[seq] == 1) == (only == "decode"))
+    """[T] bool: the live tokens of the sequences a launch for `only` runs (_seq_runs)."""
+    token, seq, _ = _token_seqs(cu_q_lens, num_tokens)
+    return (token < cu_q_lens[num_seqs[0]]) & _seq_runs(cu_q_lens, kv_lens, num_seqs, only)[seq]
