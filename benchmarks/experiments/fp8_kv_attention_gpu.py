@@ -11,8 +11,9 @@ Mosaic path: bf16 pages, and float8 pages with the prompt's pages staged in 16 b
 512 x 1536 decode's bytes as 4,096 sequences of one KV head (4 q heads) each: a program then
 reads its pages as contiguous runs (16 tokens x 128 dims, 2 KB in float8) where the cache's
 [page, token, head, dim] layout gives it 128-byte pieces 1 KB apart, the locality of a
-head-major page layout (TensorRT-LLM's) without changing the kernel. Each FP8 output against the fp32 reference of the same cache;
-times by `ceilings.time_chain`; % of the copy bandwidth for the cache bytes read.
+head-major page layout (TensorRT-LLM's) without changing the kernel. Each FP8 output against
+the fp32 reference of the same cache; times by `ceilings.time_chain`; % of the copy bandwidth
+for the cache bytes read.
 """
 
 from __future__ import annotations
