@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import pipelined_loop
 from pallas_kernels.fp8_quant import rms_norm_reference
 from pallas_kernels.silu_mul_fp8 import silu_mul
 from pallas_kernels.split_sum import sum_splits
@@ -53,6 +54,8 @@ from pallas_kernels.stacked import check_stacked, prefix
 FP8 = jnp.float8_e4m3fn
 _VECTOR = 16  # fp8 values one thread loads at once (16 bytes)
 DEFAULT_TILE = (32, 256)  # (block_n, block_k): 64 fp8 bytes a thread at 4 warps
+# tiles in flight (pipelined_loop): 1, each loaded as its step comes, is the timed one so far
+DEFAULT_NUM_STAGES = 1
 _TARGET_PROGRAMS = 528  # about four per SM on an H200 (132 SMs)
 _MIN_STEPS_PER_SPLIT = 4  # K tiles per split: shorter loops spend their time in set-up
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -91,8 +94,8 @@ def _weights(v_ref, cols, col_ok, ks, k_ok):
                          other=0.0, eviction_policy="evict_first")
 
 
-def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, eps, layer,
-                swiglu, interpret):
+def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, num_stages,
+                eps, layer, swiglu, interpret):
     """o_ref [splits, M, N]: this split's scaled x @ values.T for one N tile, on the CUDA cores.
     refs: (o_ref,), or with a norm (eps not None) (norm_weight [K], o_ref), then sumsq_ref
     [splits, M] when K is split. With a norm the loop multiplies x by the norm's weight and
@@ -133,9 +136,9 @@ def _fma_kernel(x_ref, v_ref, s_ref, *refs, block_n, block_k, steps_per_split, e
     def per_row_zeros(shape):
         return tuple(jnp.zeros(shape, jnp.float32) for _ in range(num_rows))
 
-    acc, sumsq = jax.lax.fori_loop(first, last, step, (
+    acc, sumsq = pipelined_loop.fori_loop(first, last, step, (
         per_row_zeros((block_n, groups)),
-        per_row_zeros((groups,)) if norm_ref is not None else ()))
+        per_row_zeros((groups,)) if norm_ref is not None else ()), num_stages=num_stages)
     scale = pltriton.load(s_ref.at[(*prefix(s_ref, 1, layer), cols)], mask=col_ok, other=0)
     for m in range(num_rows):
         y = jnp.sum(acc[m], axis=1) * scale
@@ -180,12 +183,14 @@ def finish_splits(splits: Splits, k: int, eps: float, dtype) -> jax.Array:
 def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
              norm_weight: jax.Array | None = None, *, eps: float = 1e-6,
              layer: int | None = None, swiglu: bool = False, block_n: int | None = None,
-             block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+             block_k: int | None = None, num_warps: int = 4,
+             num_stages: int = DEFAULT_NUM_STAGES,
              splits: int | None = None, keep_splits: bool = False,
              interpret: bool = False) -> jax.Array | Splits:
     """The Pallas (Triton) kernel; `fp8_gemv_reference`'s contract. block_n (channels a
-    program) and block_k (the K tile) are powers of two; num_stages: the K loop's pipeline
-    depth; splits: K ranges. Defaults: DEFAULT_TILE, default_splits. layer: the row of a
+    program) and block_k (the K tile) are powers of two; num_stages: the weight tiles in flight
+    through shared memory (pipelined_loop; 1: each loaded into registers when its step comes);
+    splits: K ranges. Defaults: DEFAULT_TILE, default_splits. layer: the row of a
     stacked scale or norm_weight; swiglu: x [M, 2K] is a gate/up product (no norm then).
     keep_splits: a K-split call returns its Splits, for a consumer kernel to finish."""
     (m, x_width), (n, k) = x.shape, values.shape
@@ -215,8 +220,8 @@ def fp8_gemv(x: jax.Array, values: jax.Array, scale: jax.Array,
     out = pl.pallas_call(
         functools.partial(_fma_kernel, block_n=block_n, block_k=block_k,
                           steps_per_split=pl.cdiv(pl.cdiv(k, block_k), splits),
-                          eps=eps if norm else None, layer=layer, swiglu=swiglu,
-                          interpret=interpret),
+                          num_stages=num_stages, eps=eps if norm else None, layer=layer,
+                          swiglu=swiglu, interpret=interpret),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

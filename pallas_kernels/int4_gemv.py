@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import quant_matmul
+from pallas_kernels import pipelined_loop, quant_matmul
 from pallas_kernels.half2 import pow2_scale, widen
 from pallas_kernels.ptx import asm
 from pallas_kernels.quant_matmul import CHUNK_ROWS
@@ -62,6 +62,8 @@ _SLICE = 16  # a chunk's rows per nibble: the words tile's rows
 # projections.
 DEFAULT_BLOCK_N = 128
 DEFAULT_NUM_WARPS = 4
+# tiles in flight (pipelined_loop): 1, each loaded as its chunk comes, is the timed one so far
+DEFAULT_NUM_STAGES = 1
 _TARGET_PROGRAMS = 1024
 # SUB: Triton fills a warp along N first (4 words a thread), then the rows: 8 columns a warp
 # leave one of the 16 rows a thread
@@ -141,7 +143,7 @@ def _row_scales(x_ref, start, stop, span):
 
 
 def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_per_split,
-            interpret, layer):
+            num_stages, interpret, layer):
     """o_ref [splits, M, N]: this split's x @ w over its chunks, for one N tile held as
     [16, T, SUB] words (T = block_n / SUB), so that Triton gives each thread one of the 16 rows
     and its x work serves 4T columns. The zero points' share, s z sum_k x, accumulates per
@@ -188,9 +190,9 @@ def _kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, group, block_n, sub_n, chunks_
             out.append((acc, zero))
         return tuple(out)
 
-    carry = jax.lax.fori_loop(first, last, chunk, tuple(
+    carry = pipelined_loop.fori_loop(first, last, chunk, tuple(
         (jnp.zeros((_SLICE, tiles, sub_n), jnp.float32), jnp.zeros((tiles, sub_n), jnp.float32))
-        for _ in range(num_rows)))
+        for _ in range(num_rows)), num_stages=num_stages)
     for m, (acc, zero) in enumerate(carry):
         pltriton.store(o_ref.at[split, m, cols],
                        ((jnp.sum(acc, axis=0) - zero) / x_scales[m]).astype(o_ref.dtype),
@@ -214,12 +216,14 @@ def default_splits(n: int, k: int, block_n: int) -> int:
                                              "num_stages", "interpret"))
 def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Array, *,
               layer: int | None = None, block_n: int | None = None, splits: int | None = None,
-              num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = 3,
+              num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES,
               interpret: bool = False) -> jax.Array:
     """The Pallas (Triton) kernel; `int4_gemv_reference`'s contract. block_n: columns a program
     (a power of two, at least 16; default DEFAULT_BLOCK_N); splits: K ranges (default
     default_splits, a count leaving a range empty lowered to the fewest of the same length);
-    num_warps, num_stages: Triton's. layer: the row of stacked scales and zeros."""
+    num_warps: Triton's; num_stages: the words tiles in flight through shared memory
+    (pipelined_loop; 1: each loaded into registers when its chunk comes). layer: the row of
+    stacked scales and zeros."""
     group = quant_matmul._check(x, qweight, scales, zeros, layer)
     if group not in (32, 64) and group % CHUNK_ROWS:
         raise ValueError(f"group size {group}: 32, 64 or a multiple of {CHUNK_ROWS}")
@@ -233,8 +237,8 @@ def int4_gemv(x: jax.Array, qweight: jax.Array, scales: jax.Array, zeros: jax.Ar
     out = pl.pallas_call(
         functools.partial(_kernel, group=group, block_n=block_n,
                           sub_n=min(block_n, _SUB_N_PER_WARP * num_warps),
-                          chunks_per_split=pl.cdiv(chunks, splits), interpret=interpret,
-                          layer=layer),
+                          chunks_per_split=pl.cdiv(chunks, splits), num_stages=num_stages,
+                          interpret=interpret, layer=layer),
         grid=(pl.cdiv(n, block_n), splits),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -54,7 +54,7 @@ def assert_close(got, x, values, scale, x_rounded=False):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m,n,k,tiles", [
     (1, 200, 300, dict(block_n=32, block_k=64)),  # N and K ragged against the tiles
-    (3, 70, 1000, dict(block_n=16, block_k=128, splits=3)),
+    (3, 70, 1000, dict(block_n=16, block_k=128, splits=3, num_stages=3)),  # pipelined
     (8, 48, 520, dict(block_n=32, block_k=64, splits=4)),  # 9 K tiles: 1 split empty
     (3, 90, 520, dict(block_n=16, block_k=64, splits=7)),  # two empty splits
     (1, 300, 700, dict()),  # the defaults

@@ -65,7 +65,7 @@ def check(got, args, q):
 @pytest.mark.parametrize("m,k,n,group,tiles", [
     (1, 128, 200, 32, dict(block_n=64)),  # one chunk of four groups; N ragged
     (3, 384, 200, 64, dict()),  # the defaults: block_n 128 over 200 columns
-    (1, 1024, 200, 128, dict(splits=3)),  # 8 chunks in 3 + 3 + 2
+    (1, 1024, 200, 128, dict(splits=3, num_stages=3)),  # 8 chunks in 3 + 3 + 2, pipelined
     (2, 1024, 96, 1024, dict(block_n=32, splits=3)),  # one group, cut by the splits
     (1, 384, 200, 384, dict(block_n=256, splits=1)),  # one group, one split
     (3, 384, 72, 128, dict(block_n=16, splits=3)),  # a chunk a split
@@ -146,7 +146,7 @@ def test_kernel_lowers_for_cuda():
     for m, k, n, group, dtype, tiles in [
             (1, 4096, 6144, 128, jnp.bfloat16, {}), (1, 4096, 4096, 128, jnp.float16, {}),
             (1, 14336, 4096, 128, jnp.bfloat16, dict(block_n=256, num_warps=8)),
-            (1, 14336, 4096, 128, jnp.float16, dict(block_n=64, splits=3)),
+            (1, 14336, 4096, 128, jnp.float16, dict(block_n=64, splits=3, num_stages=3)),
             (3, 4096, 4096, 32, jnp.float32, {})]:
         text = lower_for_h200(functools.partial(int4_gemv, **tiles), sds((m, k), dtype),
                               sds((k // 8, n), jnp.int32), sds((k // group, n), dtype),

@@ -10,12 +10,12 @@ Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, d
 - int4: the W4A16 GEMV (pallas_kernels/int4_gemv.py) and the tensor-core product kernel
   (quant_matmul.int4_matmul: one row padded to a 16-row tile) on random packed weights, group
   128, scales over a decade, asymmetric zero points; the GEMV's sweep: block_n 64 / 128 / 256 x
-  num_warps 4 / 8 x splits the default, half it, twice it. Reference:
-  quant_matmul.int4_matmul_reference.
+  num_warps 4 / 8 x num_stages 1 / 3 (pipelined_loop) x splits the default, half it, a quarter
+  of it, twice it. Reference: quant_matmul.int4_matmul_reference.
 - fp8: the W8A16 GEMV (pallas_kernels/fp8_gemv.py), also with the input RMSNorm inside it
   on qkv and gate/up (as the engine runs them); the GEMV's sweep: block_n 16 / 32 / 64 x
-  block_k 256 / 512 x num_warps 4 / 8 x splits the default, twice it. Reference:
-  fp8_gemv.fp8_gemv_reference.
+  block_k 256 / 512 x num_warps 4 / 8 x num_stages 1 / 3 x splits the default, half it, twice
+  it. Reference: fp8_gemv.fp8_gemv_reference.
 Both beside XLA's own dot on the same weights (the int4 or float8 values widened in its
 prologue).
 Counts that come to the same splits are timed once. err: max |out - ref| / max |ref| against the
@@ -63,11 +63,13 @@ SHAPES = {"gpu": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 2867
                   "down": (14336, 4096)},
           "cpu": {"qkv": (256, 384), "down": (512, 200)}}
 NORMED = ("qkv", "gate_up")  # the projections whose FP8 GEMV carries the input norm
-SWEEP = {("int4", "gpu"): dict(block_n=(64, 128, 256), num_warps=(4, 8), splits=(1, 0.5, 2)),
-         ("int4", "cpu"): dict(block_n=(32, 64), num_warps=(4,), splits=(1, 2)),
+SWEEP = {("int4", "gpu"): dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(1, 3),
+                               splits=(1, 0.5, 0.25, 2)),
+         ("int4", "cpu"): dict(block_n=(32, 64), num_warps=(4,), num_stages=(1,), splits=(1, 2)),
          ("fp8", "gpu"): dict(block_n=(16, 32, 64), block_k=(256, 512), num_warps=(4, 8),
-                              splits=(1, 2)),
-         ("fp8", "cpu"): dict(block_n=(16, 32), block_k=(64,), num_warps=(4,), splits=(1, 2))}
+                              num_stages=(1, 3), splits=(1, 0.5, 2)),
+         ("fp8", "cpu"): dict(block_n=(16, 32), block_k=(64,), num_warps=(4,), num_stages=(1,),
+                              splits=(1, 2))}
 # per weights: the variants timed at their defaults, the swept kernel
 MAIN = {"int4": ("bf16", "int4_matmul", "int4_gemv", "xla_int4"),
         "fp8": ("bf16", "fp8_gemv", "fp8_gemv_norm", "xla_w8a16")}
@@ -160,9 +162,11 @@ def sweep_tiles(weights: str, k: int, n: int, tile: dict, factor: float) -> dict
 def default_tiles(weights: str, k: int, n: int) -> dict:
     if weights == "int4":
         return sweep_tiles("int4", k, n, dict(block_n=int4_gemv.DEFAULT_BLOCK_N,
-                                              num_warps=int4_gemv.DEFAULT_NUM_WARPS), 1)
+                                              num_warps=int4_gemv.DEFAULT_NUM_WARPS,
+                                              num_stages=int4_gemv.DEFAULT_NUM_STAGES), 1)
     block_n, block_k = fp8_gemv.DEFAULT_TILE
-    return sweep_tiles("fp8", k, n, dict(block_n=block_n, block_k=block_k, num_warps=4), 1)
+    return sweep_tiles("fp8", k, n, dict(block_n=block_n, block_k=block_k, num_warps=4,
+                                         num_stages=fp8_gemv.DEFAULT_NUM_STAGES), 1)
 
 
 def batches(weights: str, where: str) -> list[list[dict]]:
@@ -258,8 +262,8 @@ def tables(rows: list[dict], weights: str, shapes: dict) -> str:
             layer[name].append(r)
             cells.append("-" if r is None else f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
             if name.endswith("best") and r is not None:
-                best[f"{name} {proj}"] = {key: r[key] for key in
-                                          ("block_n", "block_k", "num_warps", "splits") if key in r}
+                keys = ("block_n", "block_k", "num_warps", "num_stages", "splits")
+                best[f"{name} {proj}"] = {key: r[key] for key in keys if key in r}
         lines.append(f"| {proj} | " + " | ".join(cells) + " |")
     cells = []
     for name, found in layer.items():
