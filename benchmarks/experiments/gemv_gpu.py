@@ -2,7 +2,8 @@
 Llama-3.1-8B's four projections, with a sweep of a kernel's tilings; every output checked
 against its reference first.
 
-    python benchmarks/experiments/gemv_gpu.py --weights int4|fp8 --out DIR [--budget-s 120]
+    python benchmarks/experiments/gemv_gpu.py --weights int4|fp8 --out DIR [--budget-s 120] \
+        [--sweep NAME=V,V ...]  # only these dimensions, e.g. num_stages=1,3 splits=1,0.5
     python benchmarks/experiments/gemv_gpu.py --weights int4|fp8 --out DIR --cpu  # tiny, interpreted
 
 Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down 14336 ->
@@ -169,13 +170,17 @@ def default_tiles(weights: str, k: int, n: int) -> dict:
                                          num_stages=fp8_gemv.DEFAULT_NUM_STAGES), 1)
 
 
-def batches(weights: str, where: str) -> list[list[dict]]:
+def batches(weights: str, where: str, only: dict | None = None) -> list[list[dict]]:
     """The main variants of every projection, then each projection's sweep (the defaults'
-    tiles left out: timed in the first batch)."""
+    tiles left out: timed in the first batch). only: the dimensions swept and their values,
+    the others held at the defaults' (splits: the default's multiples)."""
     main = [dict(kind=kind, proj=proj, tiles={}) for proj in SHAPES[where]
             for kind in MAIN[weights] if kind != "fp8_gemv_norm" or proj in NORMED]
     out = [main]
     sweep = dict(SWEEP[weights, where])
+    if only:
+        held = default_tiles(weights, *next(iter(SHAPES[where].values())))
+        sweep = {key: only.get(key, (1,) if key == "splits" else (held[key],)) for key in sweep}
     factors = sweep.pop("splits")
     points = [dict(zip(sweep, values)) for values in
               itertools.product(*sweep.values())]
@@ -283,7 +288,17 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--budget-s", type=float, default=120.0,
                         help="no sweep batch starts after this many seconds")
+    parser.add_argument("--sweep", nargs="+", metavar="NAME=V,V", default=[],
+                        help="sweep only these dimensions (e.g. num_stages=1,3 splits=1,0.5), "
+                             "the others at the defaults' tiles")
     args = parser.parse_args()
+    only = {}
+    for item in args.sweep:
+        name, _, values = item.partition("=")
+        if name not in SWEEP[args.weights, "gpu"] or not values:
+            parser.error(f"--sweep {item}: NAME=V,V with NAME one of "
+                         f"{', '.join(SWEEP[args.weights, 'gpu'])}")
+        only[name] = tuple(float(v) if name == "splits" else int(v) for v in values.split(","))
     os.makedirs(args.out, exist_ok=True)
     where = "cpu" if args.cpu else "gpu"
     interpret = jax.default_backend() != "gpu"
@@ -302,7 +317,7 @@ def main() -> None:
                          weights[p["proj"], p["kind"] if p["kind"] in ("bf16", "xla_int4")
                                  else args.weights])
     rows = []
-    for index, batch in enumerate(batches(args.weights, where)):
+    for index, batch in enumerate(batches(args.weights, where, only)):
         for p in batch:
             p.update(interpret=interpret, calls=len(args_of(p)[1]))
         if index and time.perf_counter() - start > args.budget_s:  # the main batch always runs
