@@ -54,7 +54,7 @@ from pallas_kernels.stacked import check_stacked, prefix
 FP8 = jnp.float8_e4m3fn
 _VECTOR = 16  # fp8 values one thread loads at once (16 bytes)
 DEFAULT_TILE = (32, 256)  # (block_n, block_k): 64 fp8 bytes a thread at 4 warps
-# tiles in flight (pipelined_loop): 1, each loaded as its step comes, is the timed one so far
+# weight tiles in flight through shared memory (pipelined_loop); 1: each loaded as its step comes
 DEFAULT_NUM_STAGES = 1
 _TARGET_PROGRAMS = 528  # about four per SM on an H200 (132 SMs)
 _MIN_STEPS_PER_SPLIT = 4  # K tiles per split: shorter loops spend their time in set-up

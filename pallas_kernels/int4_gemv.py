@@ -62,7 +62,7 @@ _SLICE = 16  # a chunk's rows per nibble: the words tile's rows
 # projections.
 DEFAULT_BLOCK_N = 128
 DEFAULT_NUM_WARPS = 4
-# tiles in flight (pipelined_loop): 1, each loaded as its chunk comes, is the timed one so far
+# words tiles in flight through shared memory (pipelined_loop); 1: each loaded as its chunk comes
 DEFAULT_NUM_STAGES = 1
 _TARGET_PROGRAMS = 1024
 # SUB: Triton fills a warp along N first (4 words a thread), then the rows: 8 columns a warp
