@@ -21,8 +21,9 @@ sds = jax.ShapeDtypeStruct
 _STAGES = re.compile(r"\}\s*\{[^}]*tt\.num_stages = (\d+) : i32")  # on an scf.for's close
 
 
-def row_sums(x, start, *, num_stages, interpret, mark=None):
-    """x [R, 16] f32, start [1] int32 -> [16]: x's rows start.. summed by a loop with no dot.
+def row_sums(x, start, *, num_stages, interpret, mark=None, static_start=None):
+    """x [R, 16] f32, start [1] int32 -> [16]: x's rows start.. summed by a loop with no dot
+    (from static_start instead where given: a scan, not a while loop, until lowered).
     mark: a stand-in for the loop index's mark (the guard's test)."""
 
     def kernel(x_ref, start_ref, o_ref):
@@ -30,7 +31,8 @@ def row_sums(x, start, *, num_stages, interpret, mark=None):
             r = r if mark is None else mark(r)
             return acc + pltriton.load(x_ref.at[r, jnp.arange(16)])
 
-        o_ref[...] = pipelined_loop.fori_loop(start_ref[0], x_ref.shape[0], step,
+        first = start_ref[0] if static_start is None else static_start
+        o_ref[...] = pipelined_loop.fori_loop(first, x_ref.shape[0], step,
                                               jnp.zeros(16, jnp.float32),
                                               num_stages=num_stages)
 
@@ -46,17 +48,20 @@ def lowered_stages(fn, *args) -> list[int]:
     return [int(n) for text in modules for n in _STAGES.findall(text)]
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("start,num_stages", [(0, 1), (3, 3), (9, 2), (11, 4)])
-def test_the_loop_runs_its_range_in_interpret_mode(start, num_stages):
+def test_the_loop_runs_its_range_in_interpret_mode(start, num_stages, static):
     x = np.random.default_rng(start).standard_normal((11, 16)).astype(np.float32)
     got = row_sums(jnp.asarray(x), jnp.asarray([start], jnp.int32), num_stages=num_stages,
-                   interpret=True)
+                   interpret=True, static_start=start if static else None)
     np.testing.assert_allclose(got, x[start:].sum(0), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("static_start", [None, 2])
 @pytest.mark.parametrize("num_stages", [1, 3])
-def test_the_loop_carries_its_stages_in_the_triton_ir(num_stages):
-    fn = functools.partial(row_sums, num_stages=num_stages, interpret=False)
+def test_the_loop_carries_its_stages_in_the_triton_ir(num_stages, static_start):
+    fn = functools.partial(row_sums, num_stages=num_stages, interpret=False,
+                           static_start=static_start)
     assert lowered_stages(fn, sds((11, 16), jnp.float32), sds((1,), jnp.int32)) == [num_stages]
 
 
