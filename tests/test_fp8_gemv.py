@@ -417,7 +417,8 @@ def test_gemv_gpu_script_checks_and_times_every_main_variant(tmp_path, weights):
     """benchmarks/experiments/gemv_gpu.py --cpu (interpret mode, wall time): every main variant
     (the GEMV, bf16, XLA's own dot; FP8 with its norm inside too) passes its reference check
     and gets a time; the sweep is left out by the budget. int4's sweep is only num_stages'
-    (--sweep), the other tiles held at the defaults'."""
+    (--sweep), the other tiles held at the defaults'; the swept kernel is checked at each of
+    the sweep's num_stages on a ragged shape first."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sweep = ["--sweep", "num_stages=1,2"] if weights == "int4" else []
     out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "experiments",
@@ -428,7 +429,10 @@ def test_gemv_gpu_script_checks_and_times_every_main_variant(tmp_path, weights):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(tmp_path / f"gemv_{weights}.json") as f:
         report = json.load(f)
-    timed = [r for r in report["rows"] if not r.get("skipped")]
+    ragged = [r for r in report["rows"] if r.get("ragged")]
+    assert [r["num_stages"] for r in ragged] == ([1, 2] if sweep else [1])
+    assert all(r["err"] < 1e-2 for r in ragged)
+    timed = [r for r in report["rows"] if not r.get("skipped") and not r.get("ragged")]
     assert report["errors"] == 0 and all(r["err"] < 1e-2 and r["us"] > 0 for r in timed)
     kinds = {"fp8": {"bf16", "fp8_gemv", "fp8_gemv_norm", "xla_w8a16"},
              "int4": {"bf16", "int4_matmul", "int4_gemv", "xla_int4"}}[weights]

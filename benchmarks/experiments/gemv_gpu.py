@@ -18,7 +18,8 @@ Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, d
   block_k 256 / 512 x num_warps 4 / 8 x num_stages 1 / 3 x splits the default, half it, twice
   it. Reference: fp8_gemv.fp8_gemv_reference.
 Both beside XLA's own dot on the same weights (the int4 or float8 values widened in its
-prologue).
+prologue). First the swept kernel at each num_stages of the run on a shape ragged against its
+tiles (RAGGED), against its reference: rows with `ragged`, untimed.
 Counts that come to the same splits are timed once. err: max |out - ref| / max |ref| against the
 reference on the same inputs (bf16: against its own fp32 product); a variant over 1e-2 is a row
 with its error, not a time.
@@ -192,6 +193,28 @@ def batches(weights: str, where: str, only: dict | None = None) -> list[list[dic
     return out
 
 
+# shapes ragged against the swept kernel's tiles (N past the last tile; FP8: a K split left with
+# no step), checked at each num_stages the run sweeps before anything is timed
+RAGGED = {"int4": (1024, 200, dict(block_n=128, splits=3)),
+          "fp8": (520, 200, dict(block_n=32, block_k=64, splits=4))}
+
+
+def ragged_rows(weights: str, stages, interpret: bool) -> list[dict]:
+    """The swept kernel on RAGGED's shape at each of `stages`, against its reference."""
+    k, n, tiles = RAGGED[weights]
+    [w] = make_weights(weights, k, n, 1, jax.random.key(k + n))
+    x = jax.random.normal(jax.random.key(n), (1, k), jnp.bfloat16)
+    rows = []
+    for num_stages in stages:
+        p = dict(kind=SWEPT[weights], tiles=dict(tiles, num_stages=num_stages),
+                 interpret=interpret)
+        err = check(p, x, w)
+        base = {"kind": p["kind"], "proj": f"ragged {k} -> {n}", **p["tiles"], "ragged": True}
+        rows.append({**base, "err": err} if err <= MAX_ERR else
+                    {**base, "error": f"error {err:.2e} over {MAX_ERR}"})
+    return rows
+
+
 def check(p: dict, x, w) -> float:
     """The variant's error against the reference on the same inputs."""
     got = jax.jit(projection(p, p["interpret"]))(x, w).astype(jnp.float32)
@@ -316,7 +339,10 @@ def main() -> None:
     args_of = lambda p: (xs[shapes[p["proj"]][0]],  # noqa: E731
                          weights[p["proj"], p["kind"] if p["kind"] in ("bf16", "xla_int4")
                                  else args.weights])
-    rows = []
+    stages = only.get("num_stages", SWEEP[args.weights, where]["num_stages"])
+    rows = ragged_rows(args.weights, stages, interpret)
+    for r in rows:
+        print(json.dumps(r), flush=True)
     for index, batch in enumerate(batches(args.weights, where, only)):
         for p in batch:
             p.update(interpret=interpret, calls=len(args_of(p)[1]))
