@@ -15,8 +15,8 @@ Projections (K -> N): qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, d
   of it, twice it. Reference: quant_matmul.int4_matmul_reference.
 - fp8: the W8A16 GEMV (pallas_kernels/fp8_gemv.py), also with the input RMSNorm inside it
   on qkv and gate/up (as the engine runs them); the GEMV's sweep: block_n 16 / 32 / 64 x
-  block_k 256 / 512 x num_warps 4 / 8 x num_stages 1 / 3 x splits the default, half it, twice
-  it. Reference: fp8_gemv.fp8_gemv_reference.
+  block_k 256 / 512 x num_warps 4 / 8 x splits the default, half it, twice it (num_stages 1;
+  deeper by --sweep). Reference: fp8_gemv.fp8_gemv_reference.
 Both beside XLA's own dot on the same weights (the int4 or float8 values widened in its
 prologue). First the swept kernel at each num_stages of the run on a shape ragged against its
 tiles (RAGGED), against its reference: rows with `ragged`, untimed.
@@ -68,8 +68,9 @@ NORMED = ("qkv", "gate_up")  # the projections whose FP8 GEMV carries the input 
 SWEEP = {("int4", "gpu"): dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(1, 3),
                                splits=(1, 0.5, 0.25, 2)),
          ("int4", "cpu"): dict(block_n=(32, 64), num_warps=(4,), num_stages=(1,), splits=(1, 2)),
+         # FP8 pipelined measured 1.6-1.9x slower at every shape: num_stages only by --sweep
          ("fp8", "gpu"): dict(block_n=(16, 32, 64), block_k=(256, 512), num_warps=(4, 8),
-                              num_stages=(1, 3), splits=(1, 0.5, 2)),
+                              num_stages=(1,), splits=(1, 0.5, 2)),
          ("fp8", "cpu"): dict(block_n=(16, 32), block_k=(64,), num_warps=(4,), num_stages=(1,),
                               splits=(1, 2))}
 # per weights: the variants timed at their defaults, the swept kernel
