@@ -68,7 +68,7 @@ NORMED = ("qkv", "gate_up")  # the projections whose FP8 GEMV carries the input 
 SWEEP = {("int4", "gpu"): dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(1, 3),
                                splits=(1, 0.5, 0.25, 2)),
          ("int4", "cpu"): dict(block_n=(32, 64), num_warps=(4,), num_stages=(1,), splits=(1, 2)),
-         # FP8 pipelined measured 1.6-1.9x slower at every shape: num_stages only by --sweep
+         # FP8's pipelined loops measured slower at every shape (docs/lab): deeper only by --sweep
          ("fp8", "gpu"): dict(block_n=(16, 32, 64), block_k=(256, 512), num_warps=(4, 8),
                               num_stages=(1,), splits=(1, 0.5, 2)),
          ("fp8", "cpu"): dict(block_n=(16, 32), block_k=(64,), num_warps=(4,), num_stages=(1,),
