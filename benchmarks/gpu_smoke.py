@@ -53,6 +53,8 @@ GPTQ_MODEL = "llama-tiny-gptq"
 FP8_KV_MODEL = "llama-tiny-fp8-kv-scales"
 # ... and as a block-wise FP8 checkpoint (128 x 128 blocks: the block-scaled kernel's groups).
 FP8_BLOCK_MODEL = "llama-tiny-fp8-block"
+# ... and as a static FP8 checkpoint (per-tensor activation scales, calibrated by HF's model).
+FP8_STATIC_MODEL = "llama-tiny-fp8-static"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
@@ -148,6 +150,12 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
                                                  ("bfloat16", 2048, 16, 8),
                                                  ("float16", 777, 32, 2))
               for backend in ("pallas", "xla")]
+    # a static FP8 checkpoint: the quantisation kernels at its scales (one SwiGLU pass)
+    cases += [Case(FP8_STATIC_MODEL, dtype, length, block, seqs, backend, quantization="fp8")
+              for dtype, length, block, seqs in (("bfloat16", 2048, 16, 1),
+                                                 ("bfloat16", 2048, 16, 256),
+                                                 ("float16", 777, 32, 2))
+              for backend in ("pallas", "xla")]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", speculative=True)
               for seqs in (1, 256)]
     cases += [Case(tiny, "bfloat16", 2048, 16, seqs, "pallas", eagle=True) for seqs in (1, 8)]
@@ -200,6 +208,8 @@ def cpu_matrix() -> list[Case]:
                  **{**small, "model": FP8_KV_MODEL}),
             Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=1,
                  backend="xla", quantization="fp8", **{**small, "model": FP8_BLOCK_MODEL}),
+            Case(dtype="float32", max_model_len=777, block_size=16, max_num_seqs=8,
+                 backend="xla", quantization="fp8", **{**small, "model": FP8_STATIC_MODEL}),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=8, backend="xla", pooling=True, enforce_eager=True),
             Case(model="bert-tiny", dtype="float32", max_model_len=64, block_size=16,
@@ -212,7 +222,7 @@ def cpu_matrix() -> list[Case]:
 def prompts_for(case: Case) -> list[list[int]]:
     """Three prompts, the last near max_model_len, ids clear of the special ones."""
     lengths = (5, 60, min(400, case.max_model_len - 16))
-    written = (GPTQ_MODEL, FP8_KV_MODEL, FP8_BLOCK_MODEL)
+    written = (GPTQ_MODEL, FP8_KV_MODEL, FP8_BLOCK_MODEL, FP8_STATIC_MODEL)
     span = 360 if case.model in written else 4000  # the tiny tokenizer's ids
     return [[3 + (7 * i + 11 * n) % span for i in range(n)] for n in lengths]
 
@@ -226,7 +236,8 @@ def run_case(case: Case) -> dict:
     start = time.perf_counter()
     lora_kwargs, adapter = _lora(case)
     written = {GPTQ_MODEL: _tiny_gptq_dir, FP8_KV_MODEL: _tiny_fp8_kv_dir,
-               FP8_BLOCK_MODEL: _tiny_fp8_block_dir}.get(case.model)
+               FP8_BLOCK_MODEL: _tiny_fp8_block_dir,
+               FP8_STATIC_MODEL: _tiny_fp8_static_dir}.get(case.model)
     model, load_format = (written(), "auto") if written else (case.model, "dummy")
     llm = LLM(model=model, load_format=load_format, dtype=case.dtype,
               max_model_len=case.max_model_len, block_size=case.block_size,
@@ -293,6 +304,17 @@ def _tiny_fp8_block_dir() -> str:
     return write_fp8(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_fp8_block"),
                      {"quant_method": "fp8", "activation_scheme": "dynamic",
                       "weight_block_size": [128, 128]})
+
+
+def _tiny_fp8_static_dir() -> str:
+    import tempfile
+
+    from jaxllm.loader.fp8_writer import calibrated_input_scales, write_fp8
+    llama = _tiny_llama_dir()
+    calibration = [[3 + (13 * i + 5 * n) % 360 for i in range(n)] for n in (17, 90)]
+    return write_fp8(llama, tempfile.mkdtemp(prefix="gpu_smoke_fp8_static"),
+                     {"quant_method": "fp8", "activation_scheme": "static"},
+                     calibrated_input_scales(llama, calibration))
 
 
 def _run_pooling_case(case: Case) -> dict:

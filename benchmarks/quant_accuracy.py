@@ -1,7 +1,9 @@
 """What each quantisation costs on a real model: perplexity over a fixed corpus and agreement of
 greedy outputs with the 16-bit model, for bf16, FP8 weights, FP8 KV cache, both, a block-wise
-FP8 checkpoint (128 x 128 scales, as Qwen3's FP8 releases; jaxllm/loader/fp8_writer.py) and
-int4 (a GPTQ-format checkpoint this script writes by RTN, jaxllm/loader/gptq_writer.py).
+FP8 checkpoint (128 x 128 scales, as Qwen3's FP8 releases; jaxllm/loader/fp8_writer.py), a
+static FP8 checkpoint (per-channel weights, per-tensor activation scales calibrated on
+benchmarks/data/quant_calibration.txt, a text apart from the corpus) and int4 (a GPTQ-format
+checkpoint this script writes by RTN, jaxllm/loader/gptq_writer.py).
 
     python benchmarks/quant_accuracy.py [--model DIR] [--out docs/lab/...md]
 
@@ -22,10 +24,11 @@ import time
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.loader.default_model import default_model_dir
-from jaxllm.loader.fp8_writer import write_fp8
+from jaxllm.loader.fp8_writer import calibrated_input_scales, write_fp8
 from jaxllm.loader.gptq_writer import write_rtn_gptq
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "quant_corpus.txt")
+CALIBRATION = os.path.join(os.path.dirname(__file__), "data", "quant_calibration.txt")
 WINDOW = 512  # tokens per perplexity window (each window scored on its own)
 PROMPTS = [
     "The capital of France is", "Write a short poem about the sea.",
@@ -44,6 +47,8 @@ CONFIGS = {  # name -> (checkpoint: a key of main's checkpoints, EngineArgs fiel
     "fp8 weights + KV": ("base", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
     "fp8 block-wise checkpoint (128 x 128)": ("fp8_block", {}),
     "the same, dequantised to bf16": ("fp8_block_bf16", {}),
+    "fp8 static checkpoint (calibrated)": ("fp8_static", {}),
+    "the same + fp8 KV": ("fp8_static", {"kv_cache_dtype": "fp8"}),
     "int4 RTN (GPTQ, g64)": ("int4", {}),
 }
 
@@ -91,6 +96,17 @@ def dequantized_copy(fp8_dir: str, block: tuple[int, int]) -> str:
     return write_checkpoint(fp8_dir, tempfile.mkdtemp(prefix="fp8_block_bf16_"), tensors, None)
 
 
+def static_checkpoint(base: str) -> str:
+    """base as a static FP8 checkpoint, its activation scales calibrated on CALIBRATION in
+    windows of WINDOW tokens."""
+    from transformers import AutoTokenizer
+    with open(CALIBRATION) as f:
+        ids = AutoTokenizer.from_pretrained(base)(f.read())["input_ids"]
+    scales = calibrated_input_scales(base, [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW)])
+    return write_fp8(base, tempfile.mkdtemp(prefix="fp8_static_"),
+                     {"quant_method": "fp8", "activation_scheme": "static"}, scales)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="an HF directory (default: SmolLM2-135M)")
@@ -103,6 +119,7 @@ def main() -> None:
         {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}))
     checkpoints = {"base": lambda: base, "fp8_block": block_dir,
                    "fp8_block_bf16": lambda: dequantized_copy(block_dir(), (128, 128)),
+                   "fp8_static": functools.cache(lambda: static_checkpoint(base)),
                    "int4": lambda: write_rtn_gptq(base, tempfile.mkdtemp(prefix="rtn_gptq_"),
                                                   group_size=64)}
     corpus_ids = None

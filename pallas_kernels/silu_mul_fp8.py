@@ -20,11 +20,16 @@ the test models) is one chunk by default: one kernel holds h in registers and re
 Everything is in fp32: the GEMM's output times both scales, the SiLU, the product. Lanes past I
 and rows past T are masked on load (to 0, so h = 0 there) and on store.
 
+With a static scale (a checkpoint's `input_scale` of the down projection: vLLM's `activation_scheme:
+static`) no row max is needed: one kernel of the same tiles reads each chunk once and stores it
+scaled, at any width.
+
   y       [T, 2 * I]  the GEMM's output, gate columns then up columns (the fused [T, 2, I])
   x_scale [T]         fp32, the GEMM's per-token activation scale
   w_scale [2 * I]     fp32, its per-output-channel weight scale (or stacked across layers,
                       [L, 2 * I], read at row `layer`: stacked.py)
-  ->  values [T, I] float8_e4m3fn, scale [T] fp32: h ~ values * scale
+  static_scale []     fp32, optional (or stacked, [L], at `static_layer`): every token's scale
+  ->  values [T, I] float8_e4m3fn, scale [T] fp32: h ~ values * scale (saturated at +-448)
 """
 
 from __future__ import annotations
@@ -41,13 +46,16 @@ from pallas_kernels.fp8_quant import FP8, row_scales, to_fp8
 from pallas_kernels.stacked import check_stacked, prefix
 
 
-def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array,
-                           w_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """y [T, 2 * I], x_scale [T], w_scale [2 * I] -> (values [T, I] float8_e4m3fn, scale [T]
-    fp32); the module's contract, in jnp."""
+def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                           static_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """y [T, 2 * I], x_scale [T], w_scale [2 * I] (, static_scale []) -> (values [T, I]
+    float8_e4m3fn, scale [T] fp32); the module's contract, in jnp."""
     g, u = jnp.split(y.astype(jnp.float32) * x_scale[:, None] * w_scale[None, :], 2, axis=1)
     h = g * jax.nn.sigmoid(g) * u  # [T, I]
-    scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [T]
+    if static_scale is None:
+        scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [T]
+    else:
+        scale = jnp.full(h.shape[:1], static_scale, jnp.float32)
     return to_fp8(h, scale), scale
 
 
@@ -122,6 +130,24 @@ def _one_read_kernel(y_ref, xs_ref, ws_ref, q_ref, s_ref, **blocks):
     _each_row_block(y_ref, xs_ref, ws_ref, visit, **blocks)
 
 
+def _static_kernel(y_ref, xs_ref, ws_ref, static_ref, q_ref, s_ref, *, static_index,
+                   **blocks):
+    """static_ref [L or 1], every token's scale at static_index: y_ref [T, 2I] -> q_ref [T, I]
+    for this program's tiles, and s_ref [T] from the first chunk's programs."""
+    first_chunk = pl.program_id(1) == 0
+
+    def visit(h, rows, row_ok, tile, mask):
+        scale = jnp.full((h.shape[0],), static_ref[static_index], jnp.float32)  # [Br]
+
+        @pl.when(first_chunk)
+        def _():
+            pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+
+        pltriton.store(q_ref.at[tile], to_fp8(h, scale), mask=mask)
+
+    _each_row_block(y_ref, xs_ref, ws_ref, visit, **blocks)
+
+
 def _max_kernel(y_ref, xs_ref, ws_ref, m_ref, **blocks):
     """-> m_ref [chunks, T]: this chunk's max |h| of this program's rows."""
     chunk = pl.program_id(1)
@@ -153,18 +179,19 @@ def _store_kernel(y_ref, xs_ref, ws_ref, m_ref, q_ref, s_ref, **blocks):
     _each_row_block(y_ref, xs_ref, ws_ref, visit, **blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "block_rows", "block_cols", "row_blocks",
-                                             "num_warps", "interpret"))
-def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
-                 layer: int | None = None, block_rows: int | None = None,
+@functools.partial(jax.jit, static_argnames=("layer", "static_layer", "block_rows", "block_cols",
+                                             "row_blocks", "num_warps", "interpret"))
+def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                 static_scale: jax.Array | None = None, *, layer: int | None = None,
+                 static_layer: int | None = None, block_rows: int | None = None,
                  block_cols: int | None = None, row_blocks: int | None = None, num_warps: int = 4,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """y [T, 2 * I] (fp16/bf16/fp32), x_scale [T], w_scale [2 * I] fp32 -> (values [T, I]
-    float8_e4m3fn, scale [T] fp32): `silu_mul_fp8_reference`'s contract. block_rows (tokens a
-    block), block_cols (a chunk of I, a power of two), row_blocks (blocks a program, in turn)
-    and num_warps are the tile knobs, each left None taken from CHUNKED_TILES, or for rows up
-    to ONE_READ_MAX_WIDTH from one token and one block of the whole row; layer: the row of a
-    stacked w_scale."""
+    """y [T, 2 * I] (fp16/bf16/fp32), x_scale [T], w_scale [2 * I] fp32 (, static_scale) ->
+    (values [T, I] float8_e4m3fn, scale [T] fp32): `silu_mul_fp8_reference`'s contract.
+    block_rows (tokens a block), block_cols (a chunk of I, a power of two), row_blocks (blocks a
+    program, in turn) and num_warps are the tile knobs, each left None taken from
+    CHUNKED_TILES, or for rows up to ONE_READ_MAX_WIDTH from one token and one block of the
+    whole row; layer, static_layer: the rows of a stacked w_scale and static_scale."""
     num_rows, double_width = y.shape
     if double_width % 2 or x_scale.shape != (num_rows,):
         raise ValueError(f"y {y.shape} must be [T, 2 * I] with x_scale [T]; got "
@@ -184,6 +211,11 @@ def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
     outputs = (jax.ShapeDtypeStruct((num_rows, width), FP8),
                jax.ShapeDtypeStruct((num_rows,), jnp.float32))
     args = (y, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
+    if static_scale is not None:
+        check_stacked("static_scale", static_scale, (), static_layer)
+        kernel = functools.partial(_static_kernel, static_index=static_layer or 0, **blocks)
+        return call(kernel, out_shape=outputs)(
+            *args, static_scale.astype(jnp.float32).reshape(-1))
     if grid[1] == 1:
         return call(functools.partial(_one_read_kernel, **blocks), out_shape=outputs)(*args)
     maxima = call(functools.partial(_max_kernel, **blocks),

@@ -203,3 +203,103 @@ def test_one_token_with_a_norm_of_another_dtype_keeps_the_gemv(monkeypatch):
     quant.norm_linear(x, weight, 1e-5, w)
     quant.norm_linear(jnp.concatenate([x, x]), weight.astype(jnp.float32), 1e-5, w)
     assert calls == ["gemv", "gemv", "w8a8"]
+
+
+def static_of(x, weight, fraction):
+    """A static scale that saturates about `fraction` of the normalised rows' |h|."""
+    values, scale = fp8_quant_reference(x, weight, 1e-5)
+    h = np.abs(np.asarray(values, np.float32) * np.asarray(scale)[:, None])
+    return jnp.float32(np.quantile(h[h > 0], 1 - fraction) / 448)
+
+
+@pytest.mark.parametrize("num_rows,hidden,tiles", [(5, 200, dict(block_rows=2)), (7, 576, {})])
+@pytest.mark.parametrize("norm", [False, True])
+def test_static_scale_kernels_match_reference(num_rows, hidden, tiles, norm):
+    """vLLM's static activation scheme: every row at the one scale (rows over three decades,
+    so some saturate at +-448 and some round to small values), values as the reference's and
+    as numpy's clip and cast; the residual kernel's stream unchanged by it."""
+    x, weight = random_rows(num_rows * 7, num_rows, hidden)
+    weight = weight if norm else None
+    static = static_of(x, weight, 0.2)
+    values, scale = fp8_quant(x, weight, static, eps=1e-5, interpret=True, **tiles)
+    want = fp8_quant_reference(x, weight, 1e-5, static)
+    np.testing.assert_array_equal(np.asarray(scale), np.full(num_rows, static))
+    assert_matches((values, scale), want)
+    h = np.asarray(x if weight is None else fq.rms_norm_reference(x, weight, 1e-5), np.float32)
+    numpy = np.clip(h / float(static), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    got = np.asarray(values, np.float32)
+    assert np.mean(got == numpy.astype(np.float32)) > 0.98
+    assert 0.1 < np.mean(np.abs(got[np.abs(h) > 0]) == 448) < 0.3
+    y, y_scale, w_scale, residual, _ = residual_inputs(num_rows, num_rows, hidden)
+    stream, *got = fp8_quant_residual(y, y_scale, w_scale, residual, weight, static, eps=1e-5,
+                                      interpret=True, **tiles)
+    want_stream, *want = fp8_quant_residual_reference(y, y_scale, w_scale, residual, weight,
+                                                      1e-5, static)
+    np.testing.assert_array_equal(np.asarray(stream, np.float32),
+                                  np.asarray(want_stream, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.full(num_rows, static))
+    assert_matches(got, want)
+
+
+def test_static_scale_reads_its_layer_of_a_stack():
+    x, weight = random_rows(5, 6, 300)
+    stack = jnp.asarray([jnp.nan, 0.01, jnp.nan], jnp.float32)
+    got = fp8_quant(x, weight, stack, eps=1e-5, static_layer=1, interpret=True)
+    want = fp8_quant(x, weight, stack[1], eps=1e-5, interpret=True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    y, y_scale, w_scale, residual, _ = residual_inputs(6, 6, 300)
+    got = fp8_quant_residual(y, y_scale, w_scale, residual, weight, stack, eps=1e-5,
+                             static_layer=1, interpret=True)
+    want = fp8_quant_residual(y, y_scale, w_scale, residual, weight, stack[1], eps=1e-5,
+                              interpret=True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="layer"):
+        fp8_quant(x, weight, stack, eps=1e-5, interpret=True)
+
+
+def test_static_w8a8_passes_its_input_scale_to_the_kernel(monkeypatch):
+    """The GPU's path traced here: an Fp8Weight with an input_scale (a stacked Row too) gives
+    the kernel that scale; the result matches the CPU's jnp path (the same clip and cast)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    w = quant.quantize_fp8(jnp.asarray(np.random.default_rng(0).normal(size=(64, 96)) * 0.2,
+                                       jnp.bfloat16))
+    x, weight = random_rows(3, 8, 64)
+    w.input_scale = static_of(x, weight, 0.1)
+    calls = []
+    real = fq.fp8_quant
+
+    def recorded(x, norm_weight=None, static_scale=None, **kw):
+        calls.append((static_scale, kw.get("static_layer")))
+        return real(x, norm_weight, static_scale, interpret=True, **kw)
+    monkeypatch.setattr(fq, "fp8_quant", recorded)
+    got = quant.norm_linear(x, weight, 1e-5, w)
+    assert calls == [(w.input_scale, None)]
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    want = quant.norm_linear(x, weight, 1e-5, w)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=0.02, atol=0.02 * float(np.abs(np.asarray(want)).max()))
+    dynamic = quant.norm_linear(x, weight, 1e-5, quant.Fp8Weight(w.values, w.scale))
+    assert not np.array_equal(np.asarray(want), np.asarray(dynamic))  # the scale was used
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    stack = jnp.stack([w.input_scale * 3, w.input_scale])
+    quant.norm_linear(x, weight, 1e-5, quant.Fp8Weight(w.values, w.scale, Row(stack, 1)))
+    assert calls[1][1] == 1 and calls[1][0].shape == (2,)
+
+
+def test_static_kernels_lower_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    text = lower_for_h200(functools.partial(fp8_quant, eps=1e-5, layer=4, static_layer=4),
+                          sds((2048, 4096), jnp.bfloat16), sds((32, 4096), jnp.bfloat16),
+                          sds((32,), jnp.float32))
+    assert "fp8_quant" in text
+    text = lower_for_h200(functools.partial(fp8_quant, eps=1e-5),
+                          sds((3, 576), jnp.bfloat16), None, sds((), jnp.float32))
+    assert "fp8_quant" in text
+    text = lower_for_h200(functools.partial(fp8_quant_residual, eps=1e-5, scale_layer=3,
+                                            norm_layer=4, static_layer=4),
+                          sds((512, 4096), jnp.bfloat16), sds((512,), jnp.float32),
+                          sds((32, 4096), jnp.float32), sds((512, 4096), jnp.bfloat16),
+                          sds((32, 4096), jnp.bfloat16), sds((32,), jnp.float32))
+    assert "fp8_quant_residual" in text

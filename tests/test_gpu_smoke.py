@@ -82,13 +82,13 @@ def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path):
     with open(tmp_path / "gpu_smoke.json") as f:
         report = json.load(f)
     verdicts = sorted(row["verdict"] for row in report["cases"])
-    # LoRA, the GPTQ checkpoint, the FP8 one with KV scales and the block-wise FP8 one in
-    # groups of their own; plain seqs 1 and 8, n-gram, EAGLE and the draft model agreeing with
-    # each other; the two pooling cases' embeddings
-    assert report["ok"] and verdicts == (["expected error"] + ["ok (0 peers agree)"] * 4
+    # LoRA, the GPTQ checkpoint, the FP8 one with KV scales, the block-wise and the static FP8
+    # ones in groups of their own; plain seqs 1 and 8, n-gram, EAGLE and the draft model
+    # agreeing with each other; the two pooling cases' embeddings
+    assert report["ok"] and verdicts == (["expected error"] + ["ok (0 peers agree)"] * 5
                                          + ["ok (1 peers agree)"] * 2
                                          + ["ok (4 peers agree)"] * 5), verdicts
-    assert (tmp_path / "gpu_smoke.md").read_text().count("| llama-tiny") == 10
+    assert (tmp_path / "gpu_smoke.md").read_text().count("| llama-tiny") == 11
     assert out.stdout.count("llama-tiny") >= 18  # a progress row per case, then the table
 
 

@@ -18,6 +18,7 @@ from conftest import write_fp8_checkpoint, write_fp8_kv_scaled
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.loader import load_model
+from jaxllm.loader.fp8_writer import calibrated_input_scales
 from jaxllm.loader.gptq_writer import write_rtn_gptq
 from jaxllm.loader.quant_checkpoint import build_weight
 from jaxllm.models import forward, fuse_params
@@ -526,3 +527,100 @@ def test_quantization_resolution_and_kv_cache_dtype(tmp_path):
     assert ModelConfig("m", {}, quantization="fp8").quantization == "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineArgs(model=config_with(tmp_path), kv_cache_dtype="fp8_e5m2").create_engine_config()
+
+
+# -- static activation scales (vLLM's activation_scheme static) -----------------------------
+def test_fp8_static_checkpoint_tensors():
+    """input_scale ([] or [1]) is read with activation_scheme static, ignored with dynamic;
+    one missing or not per tensor is refused; fused q/k/v take the largest scale."""
+    from jaxllm.models.quant import map_out
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((24, 32)).astype(ml_dtypes.float8_e4m3fn)
+    tensors = {"weight": values, "weight_scale": np.float32(0.5),
+               "input_scale": np.array([0.02], np.float32)}
+    static = {"quant_method": "fp8", "activation_scheme": "static"}
+    w = build_weight("fp8", tensors, static, jnp.bfloat16)
+    assert w.input_scale.shape == () and float(w.input_scale) == np.float32(0.02)
+    assert build_weight("fp8", tensors, {"quant_method": "fp8"}, jnp.bfloat16).input_scale is None
+    ct = {"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+        "input_activations": {"type": "float", "num_bits": 8, "strategy": "tensor",
+                              "dynamic": False}}}}
+    assert float(build_weight("compressed-tensors", tensors, ct, jnp.bfloat16).input_scale) == \
+        np.float32(0.02)
+    with pytest.raises(ValueError, match="needs each FP8 linear's input_scale"):
+        build_weight("fp8", {k: v for k, v in tensors.items() if k != "input_scale"}, static,
+                     jnp.bfloat16)
+    with pytest.raises(ValueError, match="one static activation scale per tensor"):
+        build_weight("fp8", dict(tensors, input_scale=np.ones(2, np.float32)), static,
+                     jnp.bfloat16)
+    parts = [build_weight("fp8", dict(tensors, input_scale=np.float32(s)), static, jnp.bfloat16)
+             for s in (0.01, 0.03, 0.02)]
+    fused = map_out(lambda *a: jnp.concatenate(a, axis=-1), parts)
+    assert float(fused.input_scale) == np.float32(0.03)
+    with pytest.raises(ValueError, match="mix static and dynamic"):
+        map_out(lambda *a: jnp.concatenate(a, axis=-1), [parts[0], Fp8Weight(w.values, w.scale)])
+
+
+def test_tiny_llama_logits_static_fp8_within_tolerance(tiny_llama_dir, tmp_path):
+    """A static FP8 checkpoint, its input scales calibrated on the prompt by HF's model: within
+    FP8's tolerance of the fp32 logits (as the dynamic checkpoint), and not the dynamic
+    checkpoint's logits; scales 50x too small (most activations saturated) far off: the scales
+    are what quantises the activations."""
+    static = {"quant_method": "fp8", "activation_scheme": "static"}
+    scales = calibrated_input_scales(tiny_llama_dir, [PROMPT])
+    assert len(scales) == 2 * 7  # two layers' q, k, v, o, gate, up, down
+    # the writer's calibration from its definition: q/k/v share their input, so their scale
+    assert len({float(scales[f"model.layers.0.self_attn.{p}_proj.input_scale"])
+                for p in "qkv"}) == 1
+    base = load_model(tiny_llama_dir, "float32")
+    want = logits_of(base, fuse_params(base.params, base.args.num_kv_heads), PROMPT)
+
+    def logits(qconfig, extra, name):
+        out = write_fp8_checkpoint(tiny_llama_dir, str(tmp_path / name), qconfig, extra)
+        loaded = load_model(out, "float32", quantization="fp8")
+        return loaded, logits_of(loaded, fuse_params(loaded.params, loaded.args.num_kv_heads),
+                                 PROMPT)
+
+    loaded, got = logits(static, scales, "static")
+    assert float(loaded.params["layers"][1]["w_down"].input_scale) == np.float32(
+        scales["model.layers.1.mlp.down_proj.input_scale"])
+    _, dynamic = logits({"quant_method": "fp8", "activation_scheme": "dynamic"}, scales, "dyn")
+    _, saturated = logits(static, {k: np.asarray(v / 50, np.float32) for k, v in
+                                   scales.items()}, "saturated")
+    assert rel(got, want) < 0.15 and rel(dynamic, want) < 0.15
+    assert not np.array_equal(got, dynamic)
+    assert rel(saturated, want) > 2 * max(rel(got, want), 0.1)
+
+
+@pytest.mark.parametrize("qconfig,match", [
+    ({"quant_method": "fp8", "activation_scheme": "per_token"},
+     "Unsupported activation scheme per_token"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "only supports dynamic activation scheme"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+        "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
+                              "dynamic": False}}}}, "static activation scales one per tensor"),
+])
+def test_unsupported_static_schemes_refused_before_loading(qconfig, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=config_with(tmp_path, qconfig)).create_engine_config()
+
+
+def test_dummy_weights_stand_in_for_an_fp8_checkpoint(tmp_path):
+    """load_format dummy on a static FP8 checkpoint's config runs FP8 weights with static
+    scales (the 8B FP8 preset's route), on a dynamic one FP8 weights without; other methods'
+    dummy weights are refused, not run in 16 bits."""
+    from jaxllm.engine.model_setup import load_for_engine
+    for scheme, want in (("static", 1.0), ("dynamic", None)):
+        model = config_with(tmp_path / scheme, {"quant_method": "fp8",
+                                                "activation_scheme": scheme})
+        config = EngineArgs(model=model, load_format="dummy").create_engine_config()
+        params = load_for_engine(config, None).loaded.params
+        assert isinstance(params["layers"][0]["w_down"], Fp8Weight)
+        stacked = params["layer_stacks"].get("w_down.input_scale")  # one device: [L] stacked
+        assert (stacked is None if want is None else np.all(np.asarray(stacked) == want))
+    gptq = config_with(tmp_path / "gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32})
+    with pytest.raises(ValueError, match="load_format='dummy' is not supported for gptq"):
+        EngineArgs(model=gptq, load_format="dummy").create_engine_config()

@@ -43,6 +43,7 @@ RUNS = {  # model -> [(name, engine kwargs)]; the first of each is the one-devic
     "awq": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
             ("tp4", dict(tensor_parallel_size=4))],
     "fp8_block_checkpoint": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2))],
+    "fp8_static_checkpoint": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2))],
     "fp8_moe_checkpoint": [("tp1", {}), ("tp2", dict(tensor_parallel_size=2)),
                            ("ep2", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
 }
@@ -134,7 +135,7 @@ def _step_collectives(model_dir: str, **kwargs) -> dict[str, int]:
 
 
 def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str, fp8_block_dir: str,
-                fp8_moe_dir: str) -> None:
+                fp8_moe_dir: str, fp8_static_dir: str) -> None:
     import jax
 
     from jaxllm.models import quant
@@ -152,9 +153,11 @@ def _child_main(llama_dir: str, fp8_dir: str, gptq_dir: str, awq_dir: str, fp8_b
         "fp8_block_checkpoint": _generate(fp8_block_dir, RUNS["fp8_block_checkpoint"]),
         "fp8_moe_checkpoint": _generate(fp8_moe_dir, RUNS["fp8_moe_checkpoint"],
                                         max_token_id=90),
+        "fp8_static_checkpoint": _generate(fp8_static_dir, RUNS["fp8_static_checkpoint"]),
     }
     collectives = {"plain": _step_collectives(llama_dir),
                    "fp8": _step_collectives(llama_dir, quantization="fp8"),
+                   "fp8_static": _step_collectives(fp8_static_dir),
                    "awq": _step_collectives(awq_dir), "gptq": _step_collectives(gptq_dir)}
     block_kinds = [KINDS[fp8_block_dir, name] for name, _ in RUNS["fp8_block_checkpoint"]]
     print(json.dumps({"results": results, "collectives": collectives,
@@ -179,8 +182,12 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
     # not split into whole 32-row groups at TP=2)
     fp8_moe = write_fp8(save_tiny_moe("qwen3_moe", str(tmp_path / "moe"), seed=2),
                         str(tmp_path / "fp8_moe"), block=[16, 16])
+    from jaxllm.loader.fp8_writer import calibrated_input_scales
+    fp8_static = write_fp8_checkpoint(tiny_llama_dir, str(tmp_path / "fp8_static"),
+                                      {"quant_method": "fp8", "activation_scheme": "static"},
+                                      calibrated_input_scales(tiny_llama_dir, [list(range(3, 40))]))
     proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, fp8, gptq, awq, fp8_block,
-                           fp8_moe],
+                           fp8_moe, fp8_static],
                           env=env,
                           capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -207,6 +214,8 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
     # FP8: the per-token scale's max over a split K is one more (small) all-reduce before each
     # row-parallel product.
     assert collectives["fp8"] == {"all-reduce": 5 + 2 * 2, "all-gather": 1}
+    # static activation scales need no max: the plain model's collectives
+    assert collectives["fp8_static"] == plain
 
 
 # -- the int4 layout of a K split, and refusals (one device) ----------------------------------

@@ -168,3 +168,63 @@ def test_fp8_mlp_lowers_with_the_kernel_between_two_fp8_dots(monkeypatch):
     dots = [line for line in text.splitlines() if "dot_general" in line and "f8E4M3FN" in line]
     assert len(dots) == 2 and all("xbf16>" in d.split("->")[-1] for d in dots), dots
     assert "silu_mul_fp8" in text
+
+
+def numpy_silu_mul_static(y, x_scale, w_scale, static_scale):
+    """A static scale's contract from its definition: h over the one scale, saturated."""
+    y = np.asarray(y, np.float64) * np.asarray(x_scale)[:, None] * np.asarray(w_scale)[None]
+    g, u = np.split(y, 2, axis=1)
+    h = g / (1 + np.exp(-g)) * u
+    return np.clip(h / static_scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("num_tokens,width,tiles", [
+    (9, 200, dict(block_rows=2, block_cols=64)),  # chunked, rows and I ragged
+    (11, 200, dict(block_rows=2, block_cols=64, row_blocks=3)),
+    (5, 96, dict()),  # the row in one chunk
+    (19, 2100, dict()),  # the default chunked tiles: one kernel all the same
+])
+def test_static_scale_matches_reference_and_saturates(num_tokens, width, tiles):
+    """A static scale (vLLM's activation_scheme static) at the median |h|: half of h is past
+    448 times it and saturates; every token's scale is the static one, whatever its own max."""
+    args = random_inputs(num_tokens + 3, num_tokens, width)
+    h_abs = np.abs(np.asarray(silu_mul_fp8_reference(*args)[0], np.float32)
+                   * np.asarray(silu_mul_fp8_reference(*args)[1])[:, None])
+    static = jnp.float32(np.median(h_abs[h_abs > 0]) / 448)
+    values, scale = silu_mul_fp8(*args, static, interpret=True, **tiles)
+    want_values, want_scale = silu_mul_fp8_reference(*args, static)
+    np.testing.assert_array_equal(np.asarray(scale), np.full(num_tokens, static))
+    np.testing.assert_array_equal(np.asarray(want_scale), np.full(num_tokens, static))
+    got = np.asarray(values, np.float32)
+    np.testing.assert_array_equal(got, np.asarray(want_values, np.float32))
+    want = numpy_silu_mul_static(*args, float(static)).astype(np.float32)
+    step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 2.0 ** -6))) - 3)
+    assert np.all(np.abs(got - want) <= step) and np.mean(got == want) > 0.99
+    assert 0.3 < np.mean(np.abs(got) == 448) < 0.7  # saturated, not wrapped or inf
+
+
+def test_static_scale_reads_its_layer_of_a_stack():
+    args = random_inputs(5, 13, 200)
+    stack = jnp.asarray([0.5, 0.02, 7.0], jnp.float32)
+    values, scale = silu_mul_fp8(*args, stack, static_layer=1, block_rows=4, block_cols=64,
+                                 interpret=True)
+    want_values, _ = silu_mul_fp8_reference(*args, stack[1])
+    np.testing.assert_array_equal(np.asarray(scale), np.full(13, 0.02, np.float32))
+    np.testing.assert_array_equal(np.asarray(values, np.float32),
+                                  np.asarray(want_values, np.float32))
+
+
+def test_a_static_scale_reads_the_row_once(monkeypatch):
+    """With a static scale no row max is needed: y's halves are loaded by one kernel at any I
+    (twice each where a program takes several blocks: test_a_row_in_one_chunk_is_read_once)."""
+    from jax._src.pallas.triton import lowering
+    modules, lower = [], lowering.lower_jaxpr_to_triton_module
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module",
+                        lambda *a, **k: modules.append(lower(*a, **k)) or modules[-1])
+    sds = jax.ShapeDtypeStruct
+    lower_for_h200(functools.partial(silu_mul_fp8, layer=5, static_layer=5),
+                   sds((2048, 2 * 14336), jnp.bfloat16), sds((2048,), jnp.float32),
+                   sds((32, 2 * 14336), jnp.float32), sds((32,), jnp.float32))
+    loads = sum("tt.load" in line and "ptr<bf16>" in line
+                for module in modules for line in str(module.module).splitlines())
+    assert len(modules) == 1 and loads == 2 * 2

@@ -233,9 +233,11 @@ def _check_quantization(config: EngineConfig) -> None:
     before loading."""
     model = config.model_config
     if model.quantization is not None:
-            quant_checkpoint.check_supported(model.quantization, model.hf_config,
+        quant_checkpoint.check_supported(model.quantization, model.hf_config,
                                          ModelArgs.from_hf_config(model.hf_config),
                                          config.parallel_config.tensor_parallel_size)
+    if config.load_config.load_format == "dummy":
+        quant_checkpoint.check_dummy(model.quantization, model.hf_config)
     quant_checkpoint.check_device(model.quantization, config.cache_config.kv_cache_dtype)
 
 

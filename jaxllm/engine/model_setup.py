@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
+from jaxllm.loader.quant_checkpoint import static_activations
 from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.models.attention import attention_backend
 from jaxllm.models.layer_stacks import stack_layers
@@ -50,6 +51,20 @@ def engine_mesh(config: EngineConfig) -> Mesh | None:
     return make_mesh(dataclasses.replace(parallel, data_parallel_size=1))
 
 
+def _fp8_at_load(config: EngineConfig) -> Callable | None:
+    """quantize_params_fp8, bound, where the loaded 16-bit weights become FP8: `--quantization
+    fp8` on a 16-bit checkpoint, and dummy weights standing in for an FP8 checkpoint (its static
+    activation scales, if any, as 1: quant_checkpoint.check_dummy); else None."""
+    model = config.model_config
+    qconfig = model.hf_config.get("quantization_config")
+    dummy = config.load_config.load_format == "dummy"
+    if not (model.quantization == "fp8" and not qconfig
+            or dummy and model.quantization in ("fp8", "compressed-tensors")):
+        return None
+    static = bool(qconfig) and static_activations(qconfig)
+    return partial(quantize_params_fp8, input_scale=1.0 if static else None)
+
+
 def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     """Loads the model onto `mesh` (each device reading only its shards), fuses its projections
     into the compute layout (jaxllm/models/fused.py), on one device stacks the layers' small
@@ -59,12 +74,12 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     attn, write_kv = attention_backend(config.runner_config.attention_backend)
     load = partial(load_model, model.model, model.dtype, config.load_config.load_format,
                    model.seed, tokenizer=model.tokenizer, quantization=model.quantization)
-    fp8_at_load = model.quantization == "fp8" and "quantization_config" not in model.hf_config
+    quantize = _fp8_at_load(config)
     if mesh is None:
         loaded = load()
         loaded.params = fuse_params(loaded.params, loaded.args.num_kv_heads, free_inputs=True)
-        if fp8_at_load:
-            loaded.params = quantize_params_fp8(loaded.params)
+        if quantize:
+            loaded.params = quantize(loaded.params)
         loaded.params = stack_layers(loaded.params)
         return ShardedModel(loaded, loaded.args, partial(forward, args=loaded.args, attn=attn,
                                                          write_kv=write_kv), None)
@@ -80,8 +95,8 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     loaded = load(shardings=plan.param_sharding)
     loaded.params = fuse_params(plan.shard_params(loaded.params), plan.model_args.num_kv_heads,
                                 plan.param_sharding, free_inputs=True)
-    if fp8_at_load:
-        loaded.params = quantize_params_fp8(loaded.params, plan.param_sharding)
+    if quantize:
+        loaded.params = quantize(loaded.params, plan.param_sharding)
     return ShardedModel(loaded, plan.model_args, plan.model_fn(forward, attn, write_kv),
                         plan.kv_cache_sharding, plan.tp)
 

@@ -2,9 +2,12 @@
 included) as float8_e4m3fn with per-output-channel scales (vLLM's fp8 layout and
 compressed-tensors' float8 channel scheme) or block-wise scales (`weight_block_size`, the layout
 of Qwen3's and DeepSeek's FP8 releases), for tests and the accuracy table where no real FP8
-checkpoint is at hand.
+checkpoint is at hand. `--activation-scheme static` adds each linear's static activation scale
+(`input_scale`), calibrated on a text file by HF transformers' model (needs torch).
 
     python -m jaxllm.loader.fp8_writer MODEL_DIR OUT_DIR [--block 128 128]
+    python -m jaxllm.loader.fp8_writer MODEL_DIR OUT_DIR --activation-scheme static \
+        --calibration-file TEXT
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, 
     full = np.asarray(block_scales(scale, block, (n, k)))
     values = np.clip(w.astype(np.float32) / full, -FP8_MAX, FP8_MAX)
     return values.astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
+
+
+CALIBRATION_WINDOW = 512  # tokens a calibration forward
 
 
 def _is_linear(name: str) -> bool:
@@ -56,17 +62,53 @@ def write_fp8(model_dir: str, out_dir: str, quantization_config: dict,
                             quantization_config)
 
 
+def calibrated_input_scales(model_dir: str, prompts: list[list[int]]) -> dict[str, np.ndarray]:
+    """Each decoder linear's static activation scale, `{linear}.input_scale` [] float32: the
+    largest |x| its input takes over `prompts` (token ids) in HF transformers' float32 model,
+    over 448 (a min-max calibration, llm-compressor's default observer). Needs torch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    amax: dict[str, float] = {}
+
+    def record(name, inputs):
+        amax[name] = max(amax.get(name, 0.0), float(inputs[0].abs().max()))
+
+    hooks = [module.register_forward_pre_hook(lambda m, a, name=name: record(name, a))
+             for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and _is_linear(f"{name}.weight")]
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt]))
+    for hook in hooks:
+        hook.remove()
+    return {f"{name}.input_scale": np.asarray(max(a, MIN_SCALE) / FP8_MAX, np.float32)
+            for name, a in amax.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir")
     parser.add_argument("out_dir")
     parser.add_argument("--block", type=int, nargs=2, metavar=("N", "K"),
                         help="block-wise scales (weight_block_size); default: per channel")
+    parser.add_argument("--activation-scheme", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument("--calibration-file", help="static: text to calibrate the scales on")
     args = parser.parse_args()
-    config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config = {"quant_method": "fp8", "activation_scheme": args.activation_scheme}
     if args.block:
         config["weight_block_size"] = list(args.block)
-    write_fp8(args.model_dir, args.out_dir, config)
+    scales = None
+    if args.activation_scheme == "static":
+        if not args.calibration_file:
+            parser.error("--activation-scheme static needs --calibration-file")
+        from transformers import AutoTokenizer
+        with open(args.calibration_file) as f:
+            ids = AutoTokenizer.from_pretrained(args.model_dir)(f.read())["input_ids"]
+        scales = calibrated_input_scales(args.model_dir, [ids[i:i + CALIBRATION_WINDOW] for i in
+                                                          range(0, len(ids), CALIBRATION_WINDOW)])
+    write_fp8(args.model_dir, args.out_dir, config, scales)
 
 
 if __name__ == "__main__":

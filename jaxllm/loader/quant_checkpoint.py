@@ -3,8 +3,10 @@ weights (integer repacking on the host; nothing is dequantised to 16 bits).
 
 Formats, as their writers define them (HF weights are [out, in] = [N, K]):
   fp8 (vLLM) / compressed-tensors float8: `weight` float8_e4m3fn [N, K], `weight_scale` one
-      value per tensor ([] or [1]) or per output channel ([N] or [N, 1]); `input_scale` (static
-      activation scales) is read and not used: activations are scaled per token. An MoE's
+      value per tensor ([] or [1]) or per output channel ([N] or [N, 1]); `input_scale` ([] or
+      [1]), the static activation scale of fp8's `activation_scheme: static` (compressed-tensors:
+      `input_activations` not dynamic, per tensor), which the W8A8 GEMMs quantise their inputs
+      at (fused linears take the largest); with dynamic activations it is not read. An MoE's
       experts are linears of their own (`experts.{e}.gate_proj` ...), stacked after reading.
       Block-wise (fp8's `weight_block_size` [bn, bk] with `weight_scale_inv`, compressed-tensors'
       `block` strategy with `weight_scale`): scales [cdiv(N, bn), cdiv(K, bk)], w = values times
@@ -60,7 +62,13 @@ def check_supported(method: str | None, hf_config: dict, args: ModelArgs,
 
 
 def _check_fp8_blocks(qconfig: dict) -> None:
+    scheme = qconfig.get("activation_scheme", "dynamic")
+    if scheme not in ("static", "dynamic"):
+        raise ValueError(f"Unsupported activation scheme {scheme}")
     block = qconfig.get("weight_block_size")
+    if block is not None and scheme == "static":
+        raise ValueError("The block-wise quantization only supports dynamic activation scheme "
+                         "for now, but got static activation scheme.")
     if block is not None and (len(block) != 2 or min(block) < 1):
         raise ValueError(f"weight_block_size {block} is not supported: jaxllm reads 2-D blocks "
                          "[block_n, block_k].")
@@ -130,11 +138,40 @@ def _check_compressed_tensors(qconfig: dict) -> None:
             raise ValueError(f"compressed-tensors scheme {name} ({weights}) is not supported: "
                              "jaxllm reads float8 weights with per-tensor, per-channel or 2-D "
                              "block-wise scales.")
+        inputs = group.get("input_activations") or {}
+        if inputs and not inputs.get("dynamic", True) and (
+                inputs.get("strategy") != "tensor" or weights.get("strategy") == "block"):
+            raise ValueError(f"compressed-tensors scheme {name} (input_activations {inputs}) is "
+                             "not supported: jaxllm reads static activation scales one per "
+                             "tensor, beside per-tensor or per-channel weight scales.")
     kv = qconfig.get("kv_cache_scheme")
     if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != ("float", 8, "tensor")
                or kv.get("dynamic")):
         raise ValueError(f"compressed-tensors kv_cache_scheme {kv} is not supported: jaxllm "
                          "reads static float8 KV cache scales, one per tensor.")
+
+
+def check_dummy(method: str | None, hf_config: dict) -> None:
+    """load_format='dummy' on a quantised checkpoint's config: random FP8 weights stand in for
+    an fp8 or compressed-tensors float8 one (per-channel scales; static activation scales of 1
+    where its scheme is static); other methods' dummy weights are not built (they would run
+    16-bit, unlike the checkpoint)."""
+    qconfig = hf_config.get("quantization_config") or {}
+    fp8 = method in ("fp8", "compressed-tensors")
+    if not qconfig or fp8 and fp8_block_size(qconfig) is None:
+        return
+    raise ValueError(f"load_format='dummy' is not supported for {method} checkpoints"
+                     f"{' with block-wise scales' if fp8 else ''}: jaxllm builds dummy weights "
+                     "for fp8 and compressed-tensors float8 checkpoints with per-tensor or "
+                     "per-channel scales.")
+
+
+def static_activations(qconfig: dict) -> bool:
+    """Whether an FP8 checkpoint's activation scales are static (its linears' `input_scale`)."""
+    if qconfig.get("quant_method") == "fp8":
+        return qconfig.get("activation_scheme", "dynamic") == "static"
+    return any(not (group.get("input_activations") or {}).get("dynamic", True)
+               for group in (qconfig.get("config_groups") or {}).values())
 
 
 def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dtype,
@@ -145,7 +182,9 @@ def build_weight(method: str, tensors: dict[str, np.ndarray], qconfig: dict, dty
     if "weight" in tensors:
         block = fp8_block_size(qconfig)
         keep = keeps_blocks(block, tensors["weight"].shape[1], sharding)
-        return shard_weight(_fp8_weight(tensors, block, keep_blocks=keep), sharding)
+        weight = _fp8_weight(tensors, block, keep_blocks=keep,
+                             static=static_activations(qconfig))
+        return shard_weight(weight, sharding)
     if method == "gptq":
         q, zeros, scales, g_idx = unpack_gptq(tensors, qconfig)
     else:
@@ -174,7 +213,7 @@ def keeps_blocks(block: tuple[int, int] | None, k: int, sharding: NamedSharding 
 
 
 def _fp8_weight(tensors: dict[str, np.ndarray], block: tuple[int, int] | None,
-                keep_blocks: bool = False) -> Fp8Weight | Fp8BlockWeight:
+                keep_blocks: bool = False, static: bool = False) -> Fp8Weight | Fp8BlockWeight:
     values = tensors["weight"]  # [N, K]
     n, k = values.shape
     scale = np.asarray(tensors.get("weight_scale_inv", tensors.get("weight_scale")), np.float32)
@@ -186,7 +225,20 @@ def _fp8_weight(tensors: dict[str, np.ndarray], block: tuple[int, int] | None,
     if scale.size not in (1, n):
         raise ValueError(f"weight_scale of shape {list(scale.shape)} for a [{n}, {k}] weight: "
                          f"only per-tensor, per-channel and block-wise scales (block {block}).")
-    return Fp8Weight(values, np.ascontiguousarray(np.broadcast_to(scale, (n,))))
+    return Fp8Weight(values, np.ascontiguousarray(np.broadcast_to(scale, (n,))),
+                     _input_scale(tensors) if static else None)
+
+
+def _input_scale(tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """A static-scheme linear's activation scale ([] or [1] in the checkpoint) -> [] float32."""
+    if "input_scale" not in tensors:
+        raise ValueError("A static activation scheme needs each FP8 linear's input_scale; "
+                         f"this linear has {sorted(tensors)}.")
+    scale = np.asarray(tensors["input_scale"], np.float32).reshape(-1)
+    if scale.size != 1:
+        raise ValueError(f"input_scale of shape {list(tensors['input_scale'].shape)}: jaxllm "
+                         "reads one static activation scale per tensor.")
+    return scale.reshape(())
 
 
 @functools.partial(jax.jit, static_argnames="block")
@@ -320,9 +372,13 @@ class QuantizedLinears:
         placed per shardings(checkpoint name of the weight); an MoE expert's FP8 weight is left
         unplaced, for stack_fp8_experts."""
         block = fp8_block_size(self.qconfig)
-        if any("input_scale" in t for t in self.tensors.values()):
-            logger.info("The checkpoint's static input scales are not used: activations are "
-                        "quantised per token.")
+        if static_activations(self.qconfig):
+            logger.info("Static activation scales (one per tensor, the checkpoint's "
+                        "input_scale): the W8A8 GEMMs quantise their inputs at them; the "
+                        "one-token GEMVs (W8A16) and MoE experts do not quantise activations.")
+        elif any("input_scale" in t for t in self.tensors.values()):
+            logger.info("The checkpoint's input scales are not used: activations are "
+                        "quantised per token (activation_scheme dynamic).")
         kinds = []
         for base, tensors in self.tensors.items():
             if "weight" not in tensors and "qweight" not in tensors:

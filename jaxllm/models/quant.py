@@ -6,7 +6,8 @@ A weight is a plain array [K, *out] (x [T, K] contracts its first axis) or one o
              GEMV_MAX_TOKENS tokens (decode), W8A16: x as it is times the weights widened in a
              GEMV kernel (pallas_kernels/fp8_gemv.py), the weight read being the whole cost.
              More tokens, W8A8: activations quantised per token on the fly, one FP8 x FP8 dot
-             accumulating in fp32, then both scales.
+             accumulating in fp32, then both scales. input_scale (a static-scheme checkpoint's,
+             one per tensor): every token's activation scale instead of its own max.
   Fp8BlockWeight values [*out, K] float8_e4m3fn, scale [*out, G] float32, `group` rows of K a
              scale (block-wise checkpoints: a block's scale repeated over its rows of output
              channels): w[k, o] = values[o, k] * scale[o, k // group]. W8A8 with the activations
@@ -61,7 +62,8 @@ GEMV_MAX_TOKENS = 1
 class Fp8Weight:
     values: jax.Array  # [*out, K] float8_e4m3fn
     scale: jax.Array  # [*out] float32 (a layer_stacks.Row in the step, None when stacked)
-    STACKED_FIELDS: ClassVar[tuple[str, ...]] = ("scale",)
+    input_scale: jax.Array | None = None  # [] float32: static activation scale (W8A8), or None
+    STACKED_FIELDS: ClassVar[tuple[str, ...]] = ("scale", "input_scale")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -181,7 +183,7 @@ def _fp8_w8a8(x: jax.Array, w: Fp8Weight, norm_weight=None, eps: float = 0.0, *,
     """x (RMS-normalised first, given norm_weight) quantised per token (or `quantized`, that
     already: residual_norm_quant's), one FP8 x FP8 dot, then both scales (or, unscaled, a
     ScaledProduct)."""
-    xq, x_scale = quantized or quantize_activations(x, norm_weight, eps)
+    xq, x_scale = quantized or quantize_activations(x, norm_weight, eps, w.input_scale)
     return _output(ScaledProduct(_fp8_dot(xq, w, x.dtype), x_scale, w.scale, x.dtype), unscaled)
 
 
@@ -241,25 +243,29 @@ def residual_norm_quant(x, norm_weight, eps: float, w):
     product = x.product
     if jax.default_backend() == "gpu":
         (scale, scale_layer), (norm, norm_layer) = in_place(product.w_scale), in_place(norm_weight)
+        static, static_layer = in_place(w.input_scale)
         h, xq, x_scale = fp8_quant.fp8_quant_residual(
-            product.y, product.x_scale[:, 0], scale, x.residual, norm, eps=eps,
-            scale_layer=scale_layer, norm_layer=norm_layer)
+            product.y, product.x_scale[:, 0], scale, x.residual, norm, static_scale=static,
+            eps=eps, scale_layer=scale_layer, norm_layer=norm_layer, static_layer=static_layer)
         return h, (xq, x_scale[:, None])
     h = x.value()
-    return h, quantize_fp8_rows(rms_norm(h, norm_weight, eps))
+    return h, quantize_fp8_rows(rms_norm(h, norm_weight, eps), value(w.input_scale))
 
 
-def quantize_activations(x: jax.Array, norm_weight=None,
-                         eps: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def quantize_activations(x: jax.Array, norm_weight=None, eps: float = 0.0,
+                         input_scale=None) -> tuple[jax.Array, jax.Array]:
     """x [T, K] (RMS-normalised first, given norm_weight: an array or a layer_stacks.Row) ->
-    (float8_e4m3fn [T, K], fp32 scale [T, 1]) per token: one kernel on one GPU
+    (float8_e4m3fn [T, K], fp32 scale [T, 1]) per token (every token at input_scale, given
+    that: a static scale, an array or a Row): one kernel on one GPU
     (pallas_kernels/fp8_quant.py, where XLA makes two or three), jnp elsewhere."""
     if jax.default_backend() == "gpu" and on_one_device() and (
             norm_weight is None or norm_weight.dtype == x.dtype):
-        norm, layer = in_place(norm_weight)
-        xq, scale = fp8_quant.fp8_quant(x, norm, eps=eps, layer=layer)
+        (norm, layer), (static, static_layer) = in_place(norm_weight), in_place(input_scale)
+        xq, scale = fp8_quant.fp8_quant(x, norm, static_scale=static, eps=eps, layer=layer,
+                                        static_layer=static_layer)
         return xq, scale[:, None]
-    return quantize_fp8_rows(x if norm_weight is None else rms_norm(x, norm_weight, eps))
+    return quantize_fp8_rows(x if norm_weight is None else rms_norm(x, norm_weight, eps),
+                             value(input_scale))
 
 
 def fp8_gemv_applies(x: jax.Array) -> bool:
@@ -399,16 +405,19 @@ def fp8_swiglu(x: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight, norm_weigh
     the gate/up GEMM's unscaled product (pallas_kernels/silu_mul_fp8.py), where XLA spends two
     passes over it. quantized: x's norm already quantised (residual_norm_quant's); unscaled:
     the down projection's output as a ScaledProduct."""
-    xq, x_scale = quantized or quantize_activations(x, norm_weight, eps)
+    xq, x_scale = quantized or quantize_activations(x, norm_weight, eps, w_gate_up.input_scale)
     y = _fp8_dot(xq, w_gate_up, x.dtype)  # [T, 2, I]
     if jax.default_backend() == "gpu":
-        w_scale, layer = in_place(w_gate_up.scale)
+        (w_scale, layer), (static, static_layer) = (in_place(w_gate_up.scale),
+                                                    in_place(w_down.input_scale))
         hq, h_scale = silu_mul_fp8.silu_mul_fp8(
             y.reshape(y.shape[0], -1), x_scale[:, 0],
-            w_scale.reshape(*w_scale.shape[:w_scale.ndim - 2], -1), layer=layer)
+            w_scale.reshape(*w_scale.shape[:w_scale.ndim - 2], -1), static_scale=static,
+            layer=layer, static_layer=static_layer)
     else:
         hq, h_scale = silu_mul_fp8.silu_mul_fp8_reference(
-            y.reshape(y.shape[0], -1), x_scale[:, 0], value(w_gate_up.scale).reshape(-1))
+            y.reshape(y.shape[0], -1), x_scale[:, 0], value(w_gate_up.scale).reshape(-1),
+            value(w_down.input_scale))
     return _output(ScaledProduct(_fp8_dot(hq, w_down, x.dtype), h_scale[:, None], w_down.scale,
                                  x.dtype), unscaled)
 
@@ -467,9 +476,13 @@ def _to_fp8(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
-def quantize_fp8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, K] -> (float8_e4m3fn [T, K], fp32 scale [T, 1]): x ~ values * scale, per token."""
-    return _to_fp8(x, -1)
+def quantize_fp8_rows(x: jax.Array, static_scale=None) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (float8_e4m3fn [T, K], fp32 scale [T, 1]): x ~ values * scale, per token
+    (every token at static_scale [], given that; saturated)."""
+    if static_scale is None:
+        return _to_fp8(x, -1)
+    scale = jnp.full((x.shape[0], 1), static_scale, jnp.float32)
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
 def quantize_fp8_groups(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
@@ -526,7 +539,8 @@ def map_out(fn: Callable[..., jax.Array], ws: list):
     first = ws[0]
     if isinstance(first, Fp8Weight):
         values = fn(*(jnp.moveaxis(w.values, -1, 0) for w in ws))
-        return Fp8Weight(jnp.moveaxis(values, 0, -1), fn(*(w.scale for w in ws)))
+        return Fp8Weight(jnp.moveaxis(values, 0, -1), fn(*(w.scale for w in ws)),
+                         _shared_input_scale(ws))
     if isinstance(first, Fp8BlockWeight):
         moved = lambda arrays: (jnp.moveaxis(a, -1, 0) for a in arrays)  # K (or G) first
         return Fp8BlockWeight(jnp.moveaxis(fn(*moved(w.values for w in ws)), 0, -1),
@@ -536,6 +550,18 @@ def map_out(fn: Callable[..., jax.Array], ws: list):
                                    scales=fn(*(w.scales for w in ws)),
                                    zeros=fn(*(w.zeros for w in ws)), partition=())
     return fn(*ws)
+
+
+def _shared_input_scale(ws: list[Fp8Weight]):
+    """The static input scale of weights fused into one GEMM (which reads one x): the largest
+    of theirs, as vLLM's fused q/k/v and gate/up take; None where they have none."""
+    scales = [w.input_scale for w in ws]
+    if all(scale is None for scale in scales):
+        return None
+    if any(scale is None for scale in scales):
+        raise ValueError("FP8 weights fused into one GEMM mix static and dynamic activation "
+                         "scales.")
+    return jnp.max(jnp.stack(scales))
 
 
 def k_shards_of(sharding: NamedSharding | None) -> int:
@@ -572,7 +598,8 @@ def shard_weight(w, sharding: NamedSharding | None):
         return Fp8BlockWeight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes, k_axis),
                               w.group, spec if any(a is not None for a in spec) else ())
     if isinstance(w, Fp8Weight):  # the scale is per output channel: replicated over a K split
-        return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes))
+        input_scale = None if w.input_scale is None else put(w.input_scale)
+        return Fp8Weight(put(w.values, *out_axes, k_axis), put(w.scale, *out_axes), input_scale)
     if isinstance(w, Fp8Experts):  # [E, K, N]: the scale [E, N] split as E and N are
         return Fp8Experts(put(w.values, *spec), put(w.scale, spec[0], spec[2]))
     if w.k_shards != k_shards_of(sharding):
@@ -592,10 +619,13 @@ QUANTIZED_NAMES = ("wqkv", "wo", "w_gate_up", "w_down", "shared_gate", "shared_u
 EXPERT_NAMES = ("experts_gate", "experts_up", "experts_down")
 
 
-def quantize_params_fp8(params: dict, sharding_of: Callable | None = None) -> dict:
+def quantize_params_fp8(params: dict, sharding_of: Callable | None = None,
+                        input_scale: float | None = None) -> dict:
     """Compute-layout params -> FP8 projections, layer by layer; each 16-bit matrix is freed
     once quantised, so the peak is the 16-bit model plus one layer. sharding_of(path, shape):
-    where each plain matrix lives on a mesh (None: one device)."""
+    where each plain matrix lives on a mesh (None: one device); input_scale: every dense
+    projection's static activation scale (dummy weights for a static checkpoint), else
+    dynamic."""
     layers = []
     for index, layer in enumerate(params["layers"]):
         quantized = dict(layer)
@@ -604,8 +634,13 @@ def quantize_params_fp8(params: dict, sharding_of: Callable | None = None) -> di
                 plain = layer[name]
                 sharding = None if sharding_of is None else sharding_of(
                     f"layers.{index}.{name}", plain.shape)
-                quantize = quantize_fp8_experts if name in EXPERT_NAMES else quantize_fp8
-                quantized[name] = shard_weight(quantize(plain), sharding)
+                if name in EXPERT_NAMES:
+                    weight = quantize_fp8_experts(plain)
+                else:
+                    weight = quantize_fp8(plain)
+                    if input_scale is not None:
+                        weight.input_scale = jnp.float32(input_scale)
+                quantized[name] = shard_weight(weight, sharding)
                 plain.delete()
         layers.append(quantized)
     return {**params, "layers": layers}
