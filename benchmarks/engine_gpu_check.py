@@ -129,7 +129,7 @@ def decode_8b(out: dict, async_scheduling: bool) -> None:
         measure_decode_step(engine, batch, 2048, 5)  # compile this bucket
         spent = instrument(engine)
         result = measure_decode_step(engine, batch, 2048, 40)
-        floor = roofline.decode_step_floor(model_args, batch, 2048 + 20, ceilings, 2)
+        floor = roofline.decode_step_floor(model_args, batch, 2048 + 20, ceilings)
         result["floor_ms"] = floor["floor_s"] * 1e3
         result["fraction_of_floor"] = result["floor_ms"] / result["median_step_ms"]
         result["host_breakdown_ms_total"] = dict(spent)

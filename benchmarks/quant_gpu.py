@@ -78,10 +78,8 @@ def use_random_int4(engine) -> None:
 def weight_bytes(args, kind: str) -> float:
     """A batch-1 step's weight bytes: projections at 2 / 1 / ~0.52 bytes (int4 with its bf16
     scales and uint8 zeros per group of 128), embedding row and LM head at 2."""
-    head = args.hidden_size * (args.vocab_size + 1) * 2
-    layers = roofline.weight_bytes_per_step(args, 1, 1) - args.hidden_size * (args.vocab_size + 1)
-    per_weight = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5 + 3 / 128}[kind]
-    return layers * per_weight + head
+    quantization = {"bf16": None, "fp8": "fp8", "int4": "gptq"}[kind]
+    return roofline.weight_bytes_per_step(args, 1, roofline.Storage.of(2, quantization))
 
 
 def decode_ms(llm: LLM, context: int, steps: int, lora_request=None) -> float:

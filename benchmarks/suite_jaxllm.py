@@ -30,7 +30,7 @@ def decode_item(engine, args, ceilings, batch: int, p: dict) -> dict:
 
     result = measure_decode_step(engine, batch, p["context_len"], p["decode_steps"])
     floor = roofline.decode_step_floor(args, batch, p["context_len"] + p["decode_steps"] // 2,
-                                       ceilings, _itemsize(p))
+                                       ceilings, _storage(p))
     result.update(floor_ms=floor["floor_s"] * 1e3, bound=floor["bound"],
                   fraction_of_floor=floor["floor_s"] * 1e3 / result["median_step_ms"],
                   output_tokens_per_s=batch * 1e3 / result["median_step_ms"])
@@ -47,7 +47,7 @@ def throughput_item(llm, args, ceilings, workload, p: dict) -> dict:
     result = run_throughput(llm, requests, use_tqdm=False)
     floor = roofline.workload_floor(args, [r.prompt_len for r in requests],
                                     [r.expected_output_len for r in requests], p["max_num_seqs"],
-                                    ceilings, _itemsize(p))
+                                    ceilings, _storage(p))
     result.update(input_len=input_len, output_len=output_len, floor_s=floor["floor_s"],
                   bound=floor["bound"], fraction_of_floor=floor["floor_s"] / result["elapsed_time"],
                   floor_output_tokens_per_s=result["total_output_tokens"] / floor["floor_s"])
@@ -80,8 +80,10 @@ def closed_loop_item(engine, vocab_size: int, concurrency: int, p: dict) -> dict
             "requests_per_second": len(requests) / elapsed}
 
 
-def _itemsize(p: dict) -> int:
-    return 4 if p["dtype"] == "float32" else 2
+def _storage(p: dict):
+    from jaxllm.bench.roofline import Storage
+    size = 4 if p["dtype"] == "float32" else 2
+    return Storage(size, size, size)
 
 
 def _model_path(p: dict, out: str) -> str:

@@ -116,7 +116,7 @@ def test_weight_bytes_match_hf_parameter_count(preset):
     args = ModelArgs.from_hf_config(PRESETS[preset])
     expected = _hf_matmul_params(preset)
     # A batch large enough to touch every expert reads every weight but the embedding table.
-    every = roofline.weight_bytes_per_step(args, 4096, dtype_bytes=2) / 2 - 4096 * args.hidden_size
+    every = roofline.weight_bytes_per_step(args, 4096) / 2 - 4096 * args.hidden_size
     assert every == pytest.approx(expected, rel=1e-6)
 
 
@@ -132,6 +132,36 @@ def test_decode_floor_of_llama_8b_at_2k_context():
     mixtral = ModelArgs.from_hf_config(PRESETS["mixtral-8x7b"])
     one, every = (roofline.weight_bytes_per_step(mixtral, b) for b in (1, 4096))
     assert one < 0.4 * every
+
+
+def test_floors_count_quantised_weights_and_fp8_pages_as_stored(tmp_path):
+    """The 8B's batch-1 floor at 1,000 context: FP8 projections 1 byte (embedding row and LM
+    head 2), int4 0.5 + 3 / group bytes, FP8 KV 1 byte; an engine's storage read from its
+    config (the method resolved from a checkpoint's quantization_config)."""
+    import json
+
+    from jaxllm.engine.args import EngineArgs
+    args = ModelArgs.from_hf_config(PRESETS["llama-3.1-8b"])
+    head = args.hidden_size * (args.vocab_size + 1) * 2
+    projections = roofline.weight_bytes_per_step(args, 1) / 2 - args.hidden_size * (
+        args.vocab_size + 1)  # parameters
+    for storage, per_param in [(roofline.Storage.of(2, "fp8"), 1.0),
+                               (roofline.Storage.of(2, "gptq", {"quantization_config": {
+                                   "group_size": 64}}), 0.5 + 3 / 64),
+                               (roofline.Storage.of(2, "awq"), 0.5 + 3 / 128)]:
+        assert roofline.weight_bytes_per_step(args, 1, storage) == pytest.approx(
+            projections * per_param + head)
+    ceilings = roofline.Ceilings(4.8e12, 4.8e12, 7.0e14, "test", "bfloat16")
+    fp8 = roofline.decode_step_floor(args, 1, 1000, ceilings, roofline.Storage.of(2, "fp8"))
+    kv = 1000 * 2 * 32 * 8 * 128
+    assert fp8["bytes"] == pytest.approx(projections + head + 2 * kv)
+    both = roofline.Storage.of(2, "fp8", kv_cache_dtype="fp8")
+    assert roofline.decode_step_floor(args, 1, 1000, ceilings, both)["bytes"] == pytest.approx(
+        projections + head + kv)
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-3.1-8b-fp8"]))
+    config = EngineArgs(model=str(tmp_path), load_format="dummy", kv_cache_dtype="fp8",
+                        dtype="bfloat16").create_engine_config()
+    assert roofline.Storage.of_engine(config) == roofline.Storage(2, 1.0, 1.0)
 
 
 def test_workload_floor_by_hand():

@@ -122,11 +122,10 @@ def main(args: argparse.Namespace) -> dict:
                 f"{decode['mean_step_ms']:.3f}) at batch {args.batch_size}, context "
                 f"{args.input_len}")
         if not args.no_roofline:
-            from jaxllm.loader.loader import resolve_dtype
             floor = roofline.mesh_decode_step_floor(
                 roofline.model_args_of(args.model, args.load_format), args.batch_size,
                 args.input_len, measure_device_ceilings(args), args.tensor_parallel_size,
-                args.data_parallel_size, resolve_dtype(args.dtype).itemsize)
+                args.data_parallel_size, roofline.Storage.of_engine(llm.llm_engine.config))
             decode["roofline"] = floor
             line += "; " + roofline.describe(floor, decode["median_step_ms"] / 1e3)
         print(line, flush=True)

@@ -95,14 +95,14 @@ def format_result(result: dict) -> str:
 
 
 def add_floor(result: dict, args: argparse.Namespace, requests: list[SampleRequest],
-              ceilings: roofline.Ceilings, max_num_seqs: int) -> str:
-    """Adds the workload's floor to `result`; returns the printed line."""
-    from jaxllm.loader.loader import resolve_dtype
-
+              ceilings: roofline.Ceilings, max_num_seqs: int,
+              storage: roofline.Storage) -> str:
+    """Adds the workload's floor to `result` (the engine's elements stored as `storage`);
+    returns the printed line."""
     model_args = roofline.model_args_of(args.model, args.load_format)
     floor = roofline.workload_floor(model_args, [r.prompt_len for r in requests],
                                     [r.expected_output_len for r in requests], max_num_seqs,
-                                    ceilings, resolve_dtype(args.dtype).itemsize)
+                                    ceilings, storage)
     result.update(roofline=floor, ceilings=ceilings.as_dict(),
                   fraction_of_floor=floor["floor_s"] / result["elapsed_time"])
     return "Roofline: " + roofline.describe(floor, result["elapsed_time"])
@@ -116,7 +116,8 @@ def main(args: argparse.Namespace) -> dict:
     spec_decode.report(result, llm.llm_engine.get_stats())
     if not args.no_roofline:
         ceilings = measure_ceilings_for(args)
-        print(add_floor(result, args, requests, ceilings, args.max_num_seqs), flush=True)
+        print(add_floor(result, args, requests, ceilings, args.max_num_seqs,
+                        roofline.Storage.of_engine(llm.llm_engine.config)), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
