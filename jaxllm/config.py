@@ -10,7 +10,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # vLLM's names. fp8 quantises a 16-bit checkpoint at load or reads an FP8 one; gptq and awq read
 # 4-bit checkpoints (vLLM's marlin variants are the same checkpoints); compressed-tensors: its
 # float8 schemes. jaxllm/models/quant.py has the layouts.
-QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "modelopt")
 _QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 

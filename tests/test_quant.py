@@ -624,3 +624,95 @@ def test_dummy_weights_stand_in_for_an_fp8_checkpoint(tmp_path):
     gptq = config_with(tmp_path / "gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32})
     with pytest.raises(ValueError, match="load_format='dummy' is not supported for gptq"):
         EngineArgs(model=gptq, load_format="dummy").create_engine_config()
+
+
+# -- ModelOpt FP8 checkpoints (NVIDIA's, as TensorRT-LLM's benchmarks use) ------------------
+def modelopt_tensors(model_dir: str, scales: dict) -> dict:
+    """model_dir's linears as ModelOpt's FP8 export stores them: float8 values with one weight
+    scale per tensor ([]), the calibrated input_scale ([]), and KV scales named
+    self_attn.k_proj.k_scale / v_proj.v_scale."""
+    from jaxllm.loader.safetensors_io import iter_tensors, safetensors_files
+    tensors = {}
+    for path in safetensors_files(model_dir):
+        for name, host in iter_tensors(path):
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                scale = np.float32(np.abs(host).max() / 448)
+                tensors[name] = (host / scale).astype(ml_dtypes.float8_e4m3fn)
+                base = name.removesuffix(".weight")
+                tensors[f"{base}.weight_scale"] = np.asarray(scale)
+                tensors[f"{base}.input_scale"] = np.asarray(scales[f"{base}.input_scale"])
+            else:
+                tensors[name] = np.asarray(host)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.self_attn"
+        tensors[f"{prefix}.k_proj.k_scale"] = np.asarray(0.5 + layer, np.float32)
+        tensors[f"{prefix}.v_proj.v_scale"] = np.asarray(2.0 - layer, np.float32)
+    return tensors
+
+
+def test_modelopt_fp8_checkpoint_runs_as_the_same_static_fp8_one(tiny_llama_dir, tmp_path):
+    """quant_algo FP8 (per-tensor weights, static activations, FP8 KV scales), from config.json
+    or from hf_quant_config.json: the same logits as the same tensors under vLLM's fp8 static
+    format; its KV scales read from ModelOpt's names; an FP8 KV cache runs with them."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.loader.safetensors_io import write_checkpoint
+    tensors = modelopt_tensors(tiny_llama_dir, calibrated_input_scales(tiny_llama_dir, [PROMPT]))
+    modelopt = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+    fp8 = {"quant_method": "fp8", "activation_scheme": "static"}
+    plain = {k: v for k, v in tensors.items() if not k.endswith(("k_scale", "v_scale"))}
+    runs = {}
+    for name, qconfig, arrays in (("modelopt", modelopt, tensors), ("fp8", fp8, plain)):
+        out = write_checkpoint(tiny_llama_dir, str(tmp_path / name), arrays, qconfig)
+        loaded = load_model(out, "float32", quantization=name)
+        runs[name] = (loaded, logits_of(loaded, fuse_params(loaded.params,
+                                                             loaded.args.num_kv_heads), PROMPT))
+    np.testing.assert_array_equal(runs["modelopt"][1], runs["fp8"][1])
+    loaded = runs["modelopt"][0]
+    assert loaded.args.kv_cache_scales and float(loaded.params["layers"][1]["k_scale"]) == 1.5
+    assert float(loaded.params["layers"][0]["w_down"].input_scale) > 0
+    # NVIDIA's older exports: config.json without quantization_config, hf_quant_config.json
+    legacy = write_checkpoint(tiny_llama_dir, str(tmp_path / "legacy"), tensors, None)
+    with open(os.path.join(legacy, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt", "version": "0.19.0"},
+                   "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                    "exclude_modules": ["lm_head"]}}, f)
+    llm = LLM(legacy, kv_cache_dtype="fp8", max_model_len=64, max_num_seqs=2,
+              enforce_eager=True)
+    assert llm.llm_engine.config.model_config.quantization == "modelopt"
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_modelopt_per_channel_and_block_algorithms_read_their_scales():
+    """FP8_PER_CHANNEL_PER_TOKEN: per-channel weights, dynamic activations (input_scale not
+    read); FP8_PB_WO: 128 x 128 blocks, scales stored [N / 128, 1, K / 128, 1]."""
+    from jaxllm.models.quant import Fp8BlockWeight
+    rng = np.random.default_rng(9)
+    values = (rng.standard_normal((256, 256)) * 50).astype(ml_dtypes.float8_e4m3fn)
+    channel = rng.uniform(0.01, 0.1, 256).astype(np.float32)
+    w = build_weight("modelopt", {"weight": values, "weight_scale": channel,
+                                  "input_scale": np.float32(0.1)},
+                     {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"},
+                     jnp.bfloat16)
+    assert isinstance(w, Fp8Weight) and w.input_scale is None
+    np.testing.assert_allclose(np.asarray(dequantize(w)), values.astype(np.float32).T * channel,
+                               rtol=1e-6)
+    blocks = rng.uniform(0.01, 0.1, (2, 1, 2, 1)).astype(np.float32)
+    w = build_weight("modelopt", {"weight": values, "weight_scale": blocks},
+                     {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}, jnp.bfloat16)
+    assert isinstance(w, Fp8BlockWeight) and w.group == 128
+    np.testing.assert_array_equal(np.asarray(dequantize(w)).T,
+                                  block_dequantized(values, blocks[:, 0, :, 0], (128, 128)))
+
+
+@pytest.mark.parametrize("qconfig,match", [
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4 is not supported"),
+    ({"quant_method": "modelopt", "quant_algo": "INT8_SQ"}, "ModelOpt currently only supports"),
+    ({"quant_method": "modelopt"}, "Missing 'quant_algo'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
+     "kv_cache_quant_algo NVFP4"),
+])
+def test_unsupported_modelopt_refused_before_loading(qconfig, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=config_with(tmp_path, qconfig)).create_engine_config()

@@ -34,7 +34,7 @@ class Storage:
         """An engine's: FP8 projections 1 byte (their per-channel scales are under 0.1%), int4
         half a byte plus a 16-bit scale and an 8-bit zero point per group, FP8 KV 1 byte."""
         projection = dtype_bytes
-        if quantization in ("fp8", "compressed-tensors"):
+        if quantization in ("fp8", "compressed-tensors", "modelopt"):
             projection = 1.0
         elif quantization in ("gptq", "awq"):
             qconfig = (hf_config or {}).get("quantization_config") or {}

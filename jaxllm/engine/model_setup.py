@@ -59,7 +59,7 @@ def _fp8_at_load(config: EngineConfig) -> Callable | None:
     qconfig = model.hf_config.get("quantization_config")
     dummy = config.load_config.load_format == "dummy"
     if not (model.quantization == "fp8" and not qconfig
-            or dummy and model.quantization in ("fp8", "compressed-tensors")):
+            or dummy and model.quantization in ("fp8", "compressed-tensors", "modelopt")):
         return None
     static = bool(qconfig) and static_activations(qconfig)
     return partial(quantize_params_fp8, input_scale=1.0 if static else None)

@@ -23,6 +23,8 @@ _LAYER = {
     "self_attn.k_norm.weight": ("k_norm", False),
     "self_attn.k_scale": ("k_scale", False),  # an FP8 KV cache's static scales
     "self_attn.v_scale": ("v_scale", False),
+    "self_attn.k_proj.k_scale": ("k_scale", False),  # ModelOpt's names for them
+    "self_attn.v_proj.v_scale": ("v_scale", False),
     "post_attention_layernorm.weight": ("mlp_norm", False),
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),

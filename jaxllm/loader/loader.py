@@ -70,10 +70,16 @@ def resolve_model_path(model: str | None, load_format: str = "auto") -> str:
 
 
 def read_hf_config(model_path: str, load_format: str = "auto") -> dict:
-    """The HF config of a resolved model path (a preset's, with load_format='dummy')."""
+    """The HF config of a resolved model path (a preset's, with load_format='dummy'); a ModelOpt
+    checkpoint's hf_quant_config.json becomes its quantization_config where config.json has
+    none (as vLLM reads it)."""
     if load_format == "dummy" and model_path in PRESETS:
         return PRESETS[model_path]
-    return _read_json(os.path.join(model_path, "config.json"), required=True)
+    config = _read_json(os.path.join(model_path, "config.json"), required=True)
+    modelopt = _read_json(os.path.join(model_path, "hf_quant_config.json"), required=False)
+    if "quantization_config" not in config and isinstance(modelopt.get("quantization"), dict):
+        config["quantization_config"] = {"quant_method": "modelopt", **modelopt["quantization"]}
+    return config
 
 
 def load_model(model: str | None, dtype: str = "auto", load_format: str = "auto", seed: int = 0,

@@ -2,7 +2,11 @@
 weights (integer repacking on the host; nothing is dequantised to 16 bits).
 
 Formats, as their writers define them (HF weights are [out, in] = [N, K]):
-  fp8 (vLLM) / compressed-tensors float8: `weight` float8_e4m3fn [N, K], `weight_scale` one
+  fp8 (vLLM) / compressed-tensors float8 / modelopt (NVIDIA's ModelOpt: `quant_algo` FP8 =
+      per-tensor weight and static activation scales, FP8_PER_CHANNEL_PER_TOKEN = per-channel
+      weights and dynamic activations, FP8_PB_WO = 128 x 128 blocks, its scales stored
+      [N / 128, 1, K / 128, 1]; KV scales as `k_proj.k_scale` / `v_proj.v_scale`):
+      `weight` float8_e4m3fn [N, K], `weight_scale` one
       value per tensor ([] or [1]) or per output channel ([N] or [N, 1]); `input_scale` ([] or
       [1]), the static activation scale of fp8's `activation_scheme: static` (compressed-tensors:
       `input_activations` not dynamic, per tensor), which the W8A8 GEMMs quantise their inputs
@@ -57,6 +61,8 @@ def check_supported(method: str | None, hf_config: dict, args: ModelArgs,
         _check_int4_row_split(method, qconfig, args, tensor_parallel_size)
     elif method == "compressed-tensors":
         _check_compressed_tensors(qconfig)
+    elif method == "modelopt":
+        _check_modelopt(qconfig)
     if method == "fp8":
         _check_fp8_blocks(qconfig)
 
@@ -78,7 +84,11 @@ def _check_fp8_blocks(qconfig: dict) -> None:
 
 
 # Hopper/Ada for FP8 (tensor cores and Triton's float8 casts); the int4 kernel needs Ampere
-_MIN_CAPABILITY = {"fp8": 89, "compressed-tensors": 89, "gptq": 80, "awq": 80}
+_MIN_CAPABILITY = {"fp8": 89, "compressed-tensors": 89, "modelopt": 89, "gptq": 80, "awq": 80}
+# ModelOpt's FP8 algorithms (those jaxllm runs), and the rest of vLLM's list
+_MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO")
+_MODELOPT_OTHER = ("NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION")
+_FP8_METHODS = ("fp8", "compressed-tensors", "modelopt")
 
 
 def check_device(method: str | None, kv_cache_dtype: str) -> None:
@@ -128,6 +138,29 @@ def _check_int4_row_split(method: str, qconfig: dict, args: ModelArgs, tp: int) 
                              f"{group}.)")
 
 
+def modelopt_algo(qconfig: dict) -> str:
+    """A ModelOpt quantization_config's quant_algo, upper-cased ('' where it has none)."""
+    return str(qconfig.get("quant_algo") or "").upper()
+
+
+def _check_modelopt(qconfig: dict) -> None:
+    algo = modelopt_algo(qconfig)
+    if not algo:
+        raise ValueError("Missing 'quant_algo' in quantization config")
+    if algo in _MODELOPT_OTHER:
+        raise ValueError(f"ModelOpt quant_algo {algo} is not supported: jaxllm runs ModelOpt's "
+                         f"FP8 checkpoints ({', '.join(_MODELOPT_FP8)}).")
+    if algo not in _MODELOPT_FP8:
+        known = list(_MODELOPT_FP8 + _MODELOPT_OTHER)
+        raise ValueError(f"ModelOpt currently only supports: {known} quantizations in vLLM. "
+                         "Please check the `hf_quant_config.json` file for your model's quant "
+                         "configuration.")
+    kv = qconfig.get("kv_cache_quant_algo")
+    if kv is not None and str(kv).upper() != "FP8":
+        raise ValueError(f"ModelOpt kv_cache_quant_algo {kv} is not supported: jaxllm reads "
+                         "static FP8 KV cache scales.")
+
+
 def _check_compressed_tensors(qconfig: dict) -> None:
     for name, group in (qconfig.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
@@ -157,7 +190,7 @@ def check_dummy(method: str | None, hf_config: dict) -> None:
     where its scheme is static); other methods' dummy weights are not built (they would run
     16-bit, unlike the checkpoint)."""
     qconfig = hf_config.get("quantization_config") or {}
-    fp8 = method in ("fp8", "compressed-tensors")
+    fp8 = method in _FP8_METHODS
     if not qconfig or fp8 and fp8_block_size(qconfig) is None:
         return
     raise ValueError(f"load_format='dummy' is not supported for {method} checkpoints"
@@ -170,6 +203,8 @@ def static_activations(qconfig: dict) -> bool:
     """Whether an FP8 checkpoint's activation scales are static (its linears' `input_scale`)."""
     if qconfig.get("quant_method") == "fp8":
         return qconfig.get("activation_scheme", "dynamic") == "static"
+    if qconfig.get("quant_method") == "modelopt":
+        return modelopt_algo(qconfig) == "FP8"
     return any(not (group.get("input_activations") or {}).get("dynamic", True)
                for group in (qconfig.get("config_groups") or {}).values())
 
@@ -198,6 +233,8 @@ def fp8_block_size(qconfig: dict) -> tuple[int, int] | None:
     """[block_n, block_k] of a block-wise FP8 checkpoint's scales, else None."""
     if qconfig.get("weight_block_size"):
         return tuple(qconfig["weight_block_size"])
+    if qconfig.get("quant_method") == "modelopt" and modelopt_algo(qconfig) == "FP8_PB_WO":
+        return (128, 128)
     for group in (qconfig.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
         if weights.get("strategy") == "block":
@@ -217,6 +254,8 @@ def _fp8_weight(tensors: dict[str, np.ndarray], block: tuple[int, int] | None,
     values = tensors["weight"]  # [N, K]
     n, k = values.shape
     scale = np.asarray(tensors.get("weight_scale_inv", tensors.get("weight_scale")), np.float32)
+    if scale.ndim == 4:  # ModelOpt's block scales [N / bn, 1, K / bk, 1]
+        scale = scale[:, 0, :, 0]
     if block is not None and scale.shape == (-(-n // block[0]), -(-k // block[1])):
         if keep_blocks:  # a block's scale on each of its rows
             return Fp8BlockWeight(values, np.repeat(scale, block[0], axis=0)[:n], block[1])
@@ -345,7 +384,7 @@ class QuantizedLinears:
         self.tensors: dict[str, dict[str, np.ndarray]] = {}
 
     def take(self, name: str, host: np.ndarray) -> bool:
-        if self.method not in ("fp8", "compressed-tensors", "gptq", "awq"):
+        if self.method not in _FP8_METHODS + ("gptq", "awq"):
             return False
         base, _, suffix = name.rpartition(".")
         if suffix not in _SUFFIXES or (suffix == "weight" and host.dtype != jnp.float8_e4m3fn):

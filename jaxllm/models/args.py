@@ -43,7 +43,8 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that use the dense MLP
     # The checkpoint holds static per-layer K and V scales for an FP8 KV cache (a
-    # compressed-tensors kv_cache_scheme): params' layers then carry k_scale and v_scale.
+    # compressed-tensors kv_cache_scheme, ModelOpt's kv_cache_quant_algo FP8): params' layers
+    # then carry k_scale and v_scale.
     kv_cache_scales: bool = False
 
     def layer_mlp_kind(self, layer_index: int) -> str:
@@ -97,7 +98,7 @@ def _dense_args(cfg: dict, arch: str, **overrides) -> ModelArgs:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
         sliding_window=cfg.get("sliding_window"), **_rope_fields(cfg),
-        kv_cache_scales=bool((cfg.get("quantization_config") or {}).get("kv_cache_scheme")))
+        kv_cache_scales=_kv_cache_scales(cfg.get("quantization_config") or {}))
     fields.update(overrides)
     return ModelArgs(**fields)
 
@@ -159,3 +160,9 @@ ARCHITECTURES: dict[str, Callable[[dict, str], ModelArgs]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "Qwen2MoeForCausalLM": _qwen2_moe,
 }
+
+
+def _kv_cache_scales(qconfig: dict) -> bool:
+    """Whether a quantization_config says the checkpoint holds static KV cache scales."""
+    return bool(qconfig.get("kv_cache_scheme")) or str(
+        qconfig.get("kv_cache_quant_algo") or "").upper() == "FP8"
