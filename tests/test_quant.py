@@ -653,8 +653,7 @@ def modelopt_tensors(model_dir: str, scales: dict) -> dict:
 def test_modelopt_fp8_checkpoint_runs_as_the_same_static_fp8_one(tiny_llama_dir, tmp_path):
     """quant_algo FP8 (per-tensor weights, static activations, FP8 KV scales), from config.json
     or from hf_quant_config.json: the same logits as the same tensors under vLLM's fp8 static
-    format; its KV scales read from ModelOpt's names; an FP8 KV cache runs with them."""
-    from jaxllm import LLM, SamplingParams
+    format; its KV scales read from ModelOpt's names."""
     from jaxllm.loader.safetensors_io import write_checkpoint
     tensors = modelopt_tensors(tiny_llama_dir, calibrated_input_scales(tiny_llama_dir, [PROMPT]))
     modelopt = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
@@ -676,12 +675,11 @@ def test_modelopt_fp8_checkpoint_runs_as_the_same_static_fp8_one(tiny_llama_dir,
         json.dump({"producer": {"name": "modelopt", "version": "0.19.0"},
                    "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
                                     "exclude_modules": ["lm_head"]}}, f)
-    llm = LLM(legacy, kv_cache_dtype="fp8", max_model_len=64, max_num_seqs=2,
-              enforce_eager=True)
-    assert llm.llm_engine.config.model_config.quantization == "modelopt"
-    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(
-        max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    config = EngineArgs(model=legacy, kv_cache_dtype="fp8").create_engine_config()
+    assert config.model_config.quantization == "modelopt"
+    np.testing.assert_array_equal(logits_of(loaded, fuse_params(
+        load_model(legacy, "float32", quantization="modelopt").params, loaded.args.num_kv_heads),
+        PROMPT), runs["fp8"][1])
 
 
 def test_modelopt_per_channel_and_block_algorithms_read_their_scales():
