@@ -58,6 +58,13 @@ def row_scales(amax: jax.Array) -> jax.Array:
     return jnp.maximum(amax, MIN_SCALE) / FP8_MAX
 
 
+def token_scales(h: jax.Array, static_scale: jax.Array | None = None) -> jax.Array:
+    """h [T, H] fp32 -> each token's scale [T]: its max |h| / 448, or the static scale []."""
+    if static_scale is None:
+        return row_scales(jnp.max(jnp.abs(h), axis=-1))
+    return jnp.full(h.shape[:1], static_scale, jnp.float32)
+
+
 def to_fp8(h: jax.Array, scale: jax.Array) -> jax.Array:
     """h [R, C] fp32 over its rows' scales [R] -> float8_e4m3fn, saturated."""
     return jnp.clip(h / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
@@ -68,10 +75,7 @@ def fp8_quant_reference(x: jax.Array, norm_weight: jax.Array | None = None, eps:
     """The module's contract in jnp."""
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps)
     h32 = h.astype(jnp.float32)
-    if static_scale is None:
-        scale = row_scales(jnp.max(jnp.abs(h32), axis=-1))  # [T]
-    else:
-        scale = jnp.full(h.shape[:1], static_scale, jnp.float32)
+    scale = token_scales(h32, static_scale)  # [T]
     return to_fp8(h32, scale), scale
 
 
@@ -161,7 +165,7 @@ def _checked_norm(name: str, x: jax.Array, norm_weight: jax.Array | None,
     return (norm_weight,)
 
 
-def _checked_static(static_scale: jax.Array | None, layer: int | None) -> tuple[tuple, int | None]:
+def static_operand(static_scale: jax.Array | None, layer: int | None) -> tuple[tuple, int | None]:
     """A static scale ([] or stacked [L] at layer) -> the kernel's operand (a 1-D fp32 array, or
     () without one) and the index the kernel reads it at."""
     if static_scale is None:
@@ -189,7 +193,7 @@ def fp8_quant(x: jax.Array, norm_weight: jax.Array | None = None,
     static_layer: the rows of a stacked norm_weight and static_scale."""
     num_rows, hidden = x.shape
     norm = _checked_norm("x", x, norm_weight, layer)
-    static, static_index = _checked_static(static_scale, static_layer)
+    static, static_index = static_operand(static_scale, static_layer)
     block_h, block_rows = _row_tiles(hidden, block_rows)
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps, block_rows=block_rows, block_h=block_h, layer=layer,
@@ -227,7 +231,7 @@ def fp8_quant_residual(y: jax.Array, y_scale: jax.Array, w_scale: jax.Array, res
     norm_weight and static_scale; the tile knobs as fp8_quant's."""
     num_rows, hidden = residual.shape
     norm = _checked_norm("residual", residual, norm_weight, norm_layer)
-    static, static_index = _checked_static(static_scale, static_layer)
+    static, static_index = static_operand(static_scale, static_layer)
     if y.shape != residual.shape or y_scale.shape != (num_rows,):
         raise ValueError(f"y {y.shape} and y_scale {y_scale.shape}: want {residual.shape} and "
                          f"({num_rows},)")

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import ptx
-from pallas_kernels.fp8_quant import FP8, row_scales, to_fp8
+from pallas_kernels.fp8_quant import FP8, row_scales, static_operand, to_fp8, token_scales
 from pallas_kernels.stacked import check_stacked, prefix
 
 
@@ -52,10 +52,7 @@ def silu_mul_fp8_reference(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
     float8_e4m3fn, scale [T] fp32); the module's contract, in jnp."""
     g, u = jnp.split(y.astype(jnp.float32) * x_scale[:, None] * w_scale[None, :], 2, axis=1)
     h = g * jax.nn.sigmoid(g) * u  # [T, I]
-    if static_scale is None:
-        scale = row_scales(jnp.max(jnp.abs(h), axis=1))  # [T]
-    else:
-        scale = jnp.full(h.shape[:1], static_scale, jnp.float32)
+    scale = token_scales(h, static_scale)  # [T]
     return to_fp8(h, scale), scale
 
 
@@ -212,10 +209,9 @@ def silu_mul_fp8(y: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
                jax.ShapeDtypeStruct((num_rows,), jnp.float32))
     args = (y, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
     if static_scale is not None:
-        check_stacked("static_scale", static_scale, (), static_layer)
-        kernel = functools.partial(_static_kernel, static_index=static_layer or 0, **blocks)
-        return call(kernel, out_shape=outputs)(
-            *args, static_scale.astype(jnp.float32).reshape(-1))
+        static, static_index = static_operand(static_scale, static_layer)
+        kernel = functools.partial(_static_kernel, static_index=static_index, **blocks)
+        return call(kernel, out_shape=outputs)(*args, *static)
     if grid[1] == 1:
         return call(functools.partial(_one_read_kernel, **blocks), out_shape=outputs)(*args)
     maxima = call(functools.partial(_max_kernel, **blocks),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm.loader.quant_checkpoint import FP8_METHODS
 from jaxllm.models.args import ModelArgs
 # The ceilings the floors divide by; `measure_ceilings` is re-exported for the bench commands.
 from pallas_kernels.ceilings import Ceilings, measure_ceilings  # noqa: F401
@@ -34,7 +35,7 @@ class Storage:
         """An engine's: FP8 projections 1 byte (their per-channel scales are under 0.1%), int4
         half a byte plus a 16-bit scale and an 8-bit zero point per group, FP8 KV 1 byte."""
         projection = dtype_bytes
-        if quantization in ("fp8", "compressed-tensors", "modelopt"):
+        if quantization in FP8_METHODS:
             projection = 1.0
         elif quantization in ("gptq", "awq"):
             qconfig = (hf_config or {}).get("quantization_config") or {}

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
 from jaxllm.loader import load_model
-from jaxllm.loader.quant_checkpoint import static_activations
+from jaxllm.loader.quant_checkpoint import FP8_METHODS, static_activations
 from jaxllm.models import ModelArgs, forward, fuse_params
 from jaxllm.models.attention import attention_backend
 from jaxllm.models.layer_stacks import stack_layers
@@ -59,7 +59,7 @@ def _fp8_at_load(config: EngineConfig) -> Callable | None:
     qconfig = model.hf_config.get("quantization_config")
     dummy = config.load_config.load_format == "dummy"
     if not (model.quantization == "fp8" and not qconfig
-            or dummy and model.quantization in ("fp8", "compressed-tensors", "modelopt")):
+            or dummy and model.quantization in FP8_METHODS):
         return None
     static = bool(qconfig) and static_activations(qconfig)
     return partial(quantize_params_fp8, input_scale=1.0 if static else None)

@@ -88,7 +88,7 @@ _MIN_CAPABILITY = {"fp8": 89, "compressed-tensors": 89, "modelopt": 89, "gptq": 
 # ModelOpt's FP8 algorithms (those jaxllm runs), and the rest of vLLM's list
 _MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO")
 _MODELOPT_OTHER = ("NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION")
-_FP8_METHODS = ("fp8", "compressed-tensors", "modelopt")
+FP8_METHODS = ("fp8", "compressed-tensors", "modelopt")  # checkpoints of float8 linears
 
 
 def check_device(method: str | None, kv_cache_dtype: str) -> None:
@@ -185,18 +185,18 @@ def _check_compressed_tensors(qconfig: dict) -> None:
 
 
 def check_dummy(method: str | None, hf_config: dict) -> None:
-    """load_format='dummy' on a quantised checkpoint's config: random FP8 weights stand in for
-    an fp8 or compressed-tensors float8 one (per-channel scales; static activation scales of 1
-    where its scheme is static); other methods' dummy weights are not built (they would run
+    """load_format='dummy' on a quantised checkpoint's config: random FP8 weights (per-channel
+    scales; static activation scales of 1 where its scheme is static) stand in for an FP8 one
+    (FP8_METHODS, not block-wise); other methods' dummy weights are not built (they would run
     16-bit, unlike the checkpoint)."""
     qconfig = hf_config.get("quantization_config") or {}
-    fp8 = method in _FP8_METHODS
+    fp8 = method in FP8_METHODS
     if not qconfig or fp8 and fp8_block_size(qconfig) is None:
         return
     raise ValueError(f"load_format='dummy' is not supported for {method} checkpoints"
                      f"{' with block-wise scales' if fp8 else ''}: jaxllm builds dummy weights "
-                     "for fp8 and compressed-tensors float8 checkpoints with per-tensor or "
-                     "per-channel scales.")
+                     "for fp8, compressed-tensors float8 and ModelOpt FP8 checkpoints with "
+                     "per-tensor or per-channel scales.")
 
 
 def static_activations(qconfig: dict) -> bool:
@@ -384,7 +384,7 @@ class QuantizedLinears:
         self.tensors: dict[str, dict[str, np.ndarray]] = {}
 
     def take(self, name: str, host: np.ndarray) -> bool:
-        if self.method not in _FP8_METHODS + ("gptq", "awq"):
+        if self.method not in FP8_METHODS + ("gptq", "awq"):
             return False
         base, _, suffix = name.rpartition(".")
         if suffix not in _SUFFIXES or (suffix == "weight" and host.dtype != jnp.float8_e4m3fn):

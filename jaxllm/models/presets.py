@@ -14,19 +14,19 @@ _QWEN3 = dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rm
               rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
               eos_token_id=151645, attention_bias=False, use_sliding_window=False)
 
+_LLAMA_31_8B = dict(_LLAMA_31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8)
+
 PRESETS: dict[str, dict] = {
     # The 8B's head_dim and query group at a size that starts in seconds (smoke tests).
     "llama-tiny": dict(_LLAMA_31, vocab_size=4096, hidden_size=1024, intermediate_size=2048,
                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
-    "llama-3.1-8b": dict(_LLAMA_31, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    "llama-3.1-8b": _LLAMA_31_8B,
     # The 8B as a static FP8 checkpoint (vLLM's fp8 format: per-tensor activation scales, as
     # NVIDIA's and Red Hat's FP8 releases of it): dummy FP8 weights, activation scales of 1.
-    "llama-3.1-8b-fp8": dict(_LLAMA_31, hidden_size=4096, intermediate_size=14336,
-                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                             quantization_config=dict(quant_method="fp8",
-                                                      activation_scheme="static")),
+    "llama-3.1-8b-fp8": dict(_LLAMA_31_8B, quantization_config=dict(
+        quant_method="fp8", activation_scheme="static")),
     # Llama 3.2 1B: Llama 3's vocabulary, so a draft model for the 8B and 70B.
     "llama-3.2-1b": dict(_LLAMA_31, hidden_size=2048, intermediate_size=8192,
                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

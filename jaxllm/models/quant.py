@@ -479,10 +479,9 @@ def _to_fp8(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 def quantize_fp8_rows(x: jax.Array, static_scale=None) -> tuple[jax.Array, jax.Array]:
     """x [T, K] -> (float8_e4m3fn [T, K], fp32 scale [T, 1]): x ~ values * scale, per token
     (every token at static_scale [], given that; saturated)."""
-    if static_scale is None:
-        return _to_fp8(x, -1)
-    scale = jnp.full((x.shape[0], 1), static_scale, jnp.float32)
-    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+    x32 = x.astype(jnp.float32)
+    scale = fp8_quant.token_scales(x32, static_scale)  # [T]
+    return fp8_quant.to_fp8(x32, scale), scale[:, None]
 
 
 def quantize_fp8_groups(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
