@@ -1,6 +1,8 @@
 """KV write: the Pallas kernels (interpret mode; the plain write and the rope and write) against
 their references, and their CUDA lowering on this CPU machine."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,16 +36,27 @@ def test_pallas_matches_reference():
 
 
 @pytest.mark.parametrize("num_tokens", [8, 1])
-def test_reference_writes_slots_and_keeps_the_rest(num_tokens):
-    k_cache, v_cache, k, v, slots = random_step(1, num_tokens, num_tokens, dtype=jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float8_e4m3fn])
+def test_reference_writes_slots_and_keeps_the_rest(num_tokens, dtype):
+    k_cache, v_cache, k, v, slots = random_step(1, num_tokens, num_tokens, dtype=dtype)
     new_k, new_v = jax.jit(write_kv)(k_cache, v_cache, k, v, slots)
     # slot page * P + offset of head h is cache[page, h, offset]: slot-major rows [N * P, H, D]
-    by_slot = lambda c: np.swapaxes(np.asarray(c), 1, 2).reshape(-1, 3, 64)
+    by_slot = lambda c: np.swapaxes(np.asarray(c, np.float32), 1, 2).reshape(-1, 3, 64)
     flat = by_slot(new_k)
-    np.testing.assert_array_equal(flat[np.asarray(slots)], np.asarray(k))
+    np.testing.assert_array_equal(flat[np.asarray(slots)], np.asarray(k, np.float32))
     untouched = np.setdiff1d(np.arange(flat.shape[0]), np.asarray(slots))
     np.testing.assert_array_equal(flat[untouched], by_slot(k_cache)[untouched])
-    np.testing.assert_array_equal(by_slot(new_v)[np.asarray(slots)], np.asarray(v))
+    np.testing.assert_array_equal(by_slot(new_v)[np.asarray(slots)], np.asarray(v, np.float32))
+
+
+@pytest.mark.parametrize("num_tokens", [8, 1])
+def test_fp8_cache_is_not_widened_to_be_written(num_tokens):
+    """XLA's CPU backend widens a whole float8 array to scatter into it or update a slice of it
+    (a copy of the cache a layer and step): the write updates the cache's bits instead."""
+    k_cache, v_cache, k, v, slots = random_step(3, num_tokens, num_tokens, num_pages=64,
+                                                dtype=jnp.float8_e4m3fn)
+    hlo = jax.jit(write_kv).lower(k_cache, v_cache, k, v, slots).compile().as_text()
+    assert not re.search(r"\b(f16|bf16|f32)\[64,3,16,64\]", hlo)
 
 
 def test_one_token_writes_by_dynamic_update_slice():
