@@ -626,6 +626,25 @@ def test_dummy_weights_stand_in_for_an_fp8_checkpoint(tmp_path):
         EngineArgs(model=gptq, load_format="dummy").create_engine_config()
 
 
+def test_fp8_at_load_refused_where_the_16_bit_weights_cannot_fit(monkeypatch):
+    """Quantising at load holds the 16-bit weights first: on a device whose pool cannot hold
+    them the engine is refused before loading, naming the need and the remedies; a pool that
+    holds them passes (a 30B MoE's bf16 weights, ~57 GiB, against 60% and 90% of an 80 GB
+    card's pool)."""
+    from jaxllm.engine import model_setup
+    config = EngineArgs(model="qwen3-30b-a3b", load_format="dummy", quantization="fp8",
+                        dtype="bfloat16",
+                        gpu_memory_utilization=0.6).create_engine_config()
+    monkeypatch.setattr(model_setup, "device_memory_limit", lambda: int(0.6 * 79.2 * 2 ** 30))
+    with pytest.raises(ValueError, match=r"bfloat16 weights first: about 56\.[0-9] GiB a device, "
+                                         r"more than the 47\.5 GiB .*tensor_parallel_size"):
+        model_setup.check_fp8_load_fits(config, None)
+    monkeypatch.setattr(model_setup, "device_memory_limit", lambda: int(0.9 * 79.2 * 2 ** 30))
+    model_setup.check_fp8_load_fits(config, None)
+    monkeypatch.setattr(model_setup, "device_memory_limit", lambda: None)  # a CPU
+    model_setup.check_fp8_load_fits(config, None)
+
+
 # -- ModelOpt FP8 checkpoints (NVIDIA's, as TensorRT-LLM's benchmarks use) ------------------
 def modelopt_tensors(model_dir: str, scales: dict) -> dict:
     """model_dir's linears as ModelOpt's FP8 export stores them: float8 values with one weight

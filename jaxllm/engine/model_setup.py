@@ -4,21 +4,24 @@ function (attention backend bound) and the KV cache sharding."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Callable
 
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
-from jaxllm.loader import load_model
+from jaxllm.loader import load_model, resolve_dtype
+from jaxllm.loader.hf_names import flatten_paths
 from jaxllm.loader.quant_checkpoint import FP8_METHODS, static_activations
-from jaxllm.models import ModelArgs, forward, fuse_params
+from jaxllm.models import ModelArgs, forward, fuse_params, param_shapes
 from jaxllm.models.attention import attention_backend
 from jaxllm.models.layer_stacks import stack_layers
 from jaxllm.models.quant import quantize_params_fp8
 from jaxllm.sharding.mesh import make_mesh, stage_meshes, validate_model_parallelism
 from jaxllm.sharding.pipeline import PipelinePlan
 from jaxllm.sharding.rules import ShardingPlan
+from jaxllm.worker.kv_cache import GiB, device_memory_limit
 from jaxllm.worker.pipeline import last_stage_forward, stage_forward
 
 
@@ -65,6 +68,27 @@ def _fp8_at_load(config: EngineConfig) -> Callable | None:
     return partial(quantize_params_fp8, input_scale=1.0 if static else None)
 
 
+def check_fp8_load_fits(config: EngineConfig, mesh: Mesh | None) -> None:
+    """Quantising at load holds the 16-bit weights first (as vLLM's online FP8 does); where they
+    cannot fit jax's pool the engine is refused before loading, not left to run out of memory
+    in an allocation."""
+    limit = device_memory_limit()
+    if limit is None:
+        return
+    model = config.model_config
+    shapes = flatten_paths(param_shapes(ModelArgs.from_hf_config(model.hf_config)))
+    shards = 1 if mesh is None else mesh.shape["tensor"] * mesh.shape["pipe"]
+    dtype = resolve_dtype(model.dtype)
+    needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize / shards
+    if needed > limit:
+        raise ValueError(
+            f"Quantizing {model.model} to FP8 at load holds its {dtype.name} weights first: "
+            f"about {needed / GiB:.1f} GiB a device, more than the {limit / GiB:.1f} GiB that "
+            f"gpu_memory_utilization={config.cache_config.gpu_memory_utilization:g} gives. "
+            f"Raise gpu_memory_utilization, split the model over more GPUs "
+            f"(tensor_parallel_size), or load an FP8 checkpoint.")
+
+
 def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     """Loads the model onto `mesh` (each device reading only its shards), fuses its projections
     into the compute layout (jaxllm/models/fused.py), on one device stacks the layers' small
@@ -75,6 +99,8 @@ def load_for_engine(config: EngineConfig, mesh: Mesh | None) -> ShardedModel:
     load = partial(load_model, model.model, model.dtype, config.load_config.load_format,
                    model.seed, tokenizer=model.tokenizer, quantization=model.quantization)
     quantize = _fp8_at_load(config)
+    if quantize:
+        check_fp8_load_fits(config, mesh)
     if mesh is None:
         loaded = load()
         loaded.params = fuse_params(loaded.params, loaded.args.num_kv_heads, free_inputs=True)
