@@ -53,23 +53,31 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
     """
     page_size = k_cache.shape[2]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    dtype = k_cache.dtype
-    k, v = to_cache(k, dtype, k_scale), to_cache(v, dtype, v_scale)
+    k, v = to_cache(k, k_cache.dtype, k_scale), to_cache(v, v_cache.dtype, v_scale)
+    update = functools.partial(_update_slots, page=page, offset=offset)
+    if not (jnp.issubdtype(k_cache.dtype, jnp.floating) and k_cache.dtype.itemsize == 1):
+        return update(k_cache, v_cache, k, v)
     # XLA's CPU backend widens a whole float8 array to scatter into it or update a slice of it:
-    # their bits, as uint8, are updated in place.
-    bits = jnp.uint8 if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1 else dtype
-    k_cache, v_cache, k, v = (jax.lax.bitcast_convert_type(x, bits)
-                              for x in (k_cache, v_cache, k, v))
+    # there the cache's bits, as uint8, are updated instead.
+    return jax.lax.platform_dependent(k_cache, v_cache, k, v, cpu=functools.partial(
+        _update_bits, update=update), default=update)
+
+
+def _update_slots(k_cache, v_cache, k, v, *, page, offset):
     if k.shape[0] == 1:
         # One token: a dynamic_update_slice. XLA turns a one-row scatter into one too, but
         # behind a select that keeps the old row for an out-of-range slot: a kernel more per
         # cache. Slots are in range (the engine's padding writes to the reserved block 0).
         start = (page[0], 0, offset[0], 0)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k[:, :, None], start)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v[:, :, None], start)
-    else:  # advanced indices split by a slice: the update's axes are [T, Hkv, D], as k's
-        k_cache, v_cache = k_cache.at[page, :, offset].set(k), v_cache.at[page, :, offset].set(v)
-    return tuple(jax.lax.bitcast_convert_type(x, dtype) for x in (k_cache, v_cache))
+        return (jax.lax.dynamic_update_slice(k_cache, k[:, :, None], start),
+                jax.lax.dynamic_update_slice(v_cache, v[:, :, None], start))
+    # advanced indices split by a slice: the update's axes are [T, Hkv, D], as k's
+    return k_cache.at[page, :, offset].set(k), v_cache.at[page, :, offset].set(v)
+
+
+def _update_bits(k_cache, v_cache, k, v, *, update):
+    bits = [jax.lax.bitcast_convert_type(x, jnp.uint8) for x in (k_cache, v_cache, k, v)]
+    return tuple(jax.lax.bitcast_convert_type(x, k_cache.dtype) for x in update(*bits))
 
 
 # Pallas (Triton): one program per (block of tokens, KV head) stores its [tokens, D] rows into

@@ -52,11 +52,16 @@ def test_reference_writes_slots_and_keeps_the_rest(num_tokens, dtype):
 @pytest.mark.parametrize("num_tokens", [8, 1])
 def test_fp8_cache_is_not_widened_to_be_written(num_tokens):
     """XLA's CPU backend widens a whole float8 array to scatter into it or update a slice of it
-    (a copy of the cache a layer and step): the write updates the cache's bits instead."""
+    (a copy of the cache a layer and step): there the write updates the cache's bits instead.
+    For a GPU the write is lowered as it is, with no bitcasts around it."""
     k_cache, v_cache, k, v, slots = random_step(3, num_tokens, num_tokens, num_pages=64,
                                                 dtype=jnp.float8_e4m3fn)
     hlo = jax.jit(write_kv).lower(k_cache, v_cache, k, v, slots).compile().as_text()
     assert not re.search(r"\b(f16|bf16|f32)\[64,3,16,64\]", hlo)
+    cuda = lower_for_h200(write_kv, *(jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                      for x in (k_cache, v_cache, k, v, slots)))
+    assert "bitcast_convert" not in cuda
+    assert ("dynamic_update_slice" if num_tokens == 1 else "scatter") in cuda
 
 
 def test_one_token_writes_by_dynamic_update_slice():
