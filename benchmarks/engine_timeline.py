@@ -30,6 +30,7 @@ from jaxllm import LLM
 from jaxllm.sampling_params import SamplingParams
 
 STAGES = ("schedule", "launch", "wait", "collect", "update", "outputs")
+HOST_BOUND_WAIT_S = 2e-4
 
 
 class Timeline:
@@ -96,7 +97,11 @@ class Timeline:
             return {k: round(1e3 * float(np.mean([r[k] for r in rows])), 3) if rows else None
                     for k in STAGES}
         totals = {k: round(sum(s[k] for s in steps), 3) for k in STAGES}
+        # the host's own steps: the device finished before the host asked for the tokens
+        host_bound = [s for s in steps if s["wait"] < HOST_BOUND_WAIT_S]
         return dict(wall_s=round(wall_s, 3), steps=len(steps), decode_steps=len(decode),
+                    host_bound_steps=len(host_bound),
+                    host_bound_s=round(sum(sum(s[k] for k in STAGES) for s in host_bound), 3),
                     total_s=totals, host_s=round(sum(totals.values()) - totals["wait"], 3),
                     gc_s=round(sum(map(sum, self.gc_pauses.values())), 3),
                     gc_by_generation={g: dict(count=len(p), s=round(sum(p), 3),
@@ -131,6 +136,8 @@ def run(llm: LLM, num: int, input_len: int, output_len: int, variant: str, seed:
         timeline.profiler.dump_stats(path)
         for order in ("tottime", "cumulative"):
             pstats.Stats(path).sort_stats(order).print_stats(35)
+    with open(os.path.join(out_dir, f"steps_{variant}_{seed}.jsonl"), "w") as f:
+        f.writelines(json.dumps(step) + "\n" for step in timeline.steps)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(variant=variant, output_tok_per_s=round(tokens / wall, 1),
                 **timeline.summary(wall))
