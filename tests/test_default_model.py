@@ -187,16 +187,15 @@ def test_gguf_file_path_converts_into_cache(default_model_dir, tmp_path, monkeyp
 
 
 def hf_greedy_until_eos(hf_model, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """HF's greedy decoding (its generate, with its KV cache): the new tokens, EOS included."""
     import torch
 
-    out = []
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            token = int(hf_model(torch.tensor([ids + out])).logits[0, -1].argmax())
-            out.append(token)
-            if token == eos:
-                break
-    return out
+        prompt = torch.tensor([ids])
+        out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                pad_token_id=eos)
+    return out[0, len(ids):].tolist()
 
 
 def test_engine_greedy_generation_matches_hf_gguf(default_model_dir, hf_gguf):
