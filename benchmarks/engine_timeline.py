@@ -1,6 +1,7 @@
 """Where an offline run's wall time goes: the host's stages of every engine step (schedule, the
 runner's launch, waiting for the device, fetching tokens, the scheduler's update, outputs) and
-Python's garbage collections, from timers around the engine's methods.
+Python's garbage collections, from timers around the engine's methods; every step's row (its
+stages, tokens and sequences) in steps_<variant>_<n>.jsonl beside the summary.
 
 With async scheduling the host overlaps the device: a run is host-bound when the host seldom
 waits for the device (the `wait` column stays near zero while steps take longer than the

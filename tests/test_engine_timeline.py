@@ -1,6 +1,7 @@
 """benchmarks/engine_timeline.py: its per-step stages account for an offline run's wall time,
 and it leaves the engine as it found it."""
 
+import json
 import os
 import sys
 
@@ -24,6 +25,12 @@ def test_stages_account_for_the_run(tiny_llama_dir, tmp_path):
     assert 0.5 * result["wall_s"] < sum(stages.values()) <= result["wall_s"]
     assert result["output_tok_per_s"] > 0
     assert os.path.getsize(tmp_path / "host_stages.pstats") > 0
+    with open(tmp_path / "steps_cprofile_1.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) >= result["steps"] >= result["host_bound_steps"] >= 0
+    assert sum(row["tokens"] for row in rows) >= 6 * 20 + 6 * 7  # prompts, then decodes
+    host_bound = [r for r in rows if r["seqs"] and r["wait"] < engine_timeline.HOST_BOUND_WAIT_S]
+    assert result["host_bound_steps"] == len(host_bound)
     engine = llm.llm_engine
     for obj in (engine.runner, engine.scheduler, engine.output_processor):
         assert not {"schedule", "launch", "collect", "update_from_output", "process"} & set(
