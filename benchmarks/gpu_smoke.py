@@ -174,7 +174,7 @@ def gpu_matrix(num_gpus: int) -> list[Case]:
     # an MoE with FP8 experts (the grouped matmul's FP8 path), alone: beside seven small
     # engines its step once failed to allocate within its share (their CUDA contexts and
     # autotuning buffers lie outside their pools); alone it starts (docs/lab, session 22). Its
-    # pool must hold the bf16 weights quantised at load (~57 GiB): 0.9 of an 80 GB card does.
+    # pool must hold the bf16 weights it quantises at load (model_setup.check_fp8_load_fits).
     cases += [Case("qwen3-30b-a3b", "bfloat16", 2048, 16, 8, "pallas", utilization=0.9,
                    max_num_batched_tokens=None, quantization="fp8", alone=True)]
     cases += [Case(max_num_seqs=8, backend="pallas", **big),

@@ -4,6 +4,7 @@ start-up refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -631,6 +632,8 @@ def test_fp8_at_load_refused_where_the_16_bit_weights_cannot_fit(monkeypatch):
     them the engine is refused before loading, naming the need and the remedies; a pool that
     holds them passes (a 30B MoE's bf16 weights, ~57 GiB, against 60% and 90% of an 80 GB
     card's pool)."""
+    from jax.sharding import AbstractMesh
+
     from jaxllm.engine import model_setup
     config = EngineArgs(model="qwen3-30b-a3b", load_format="dummy", quantization="fp8",
                         dtype="bfloat16",
@@ -639,6 +642,13 @@ def test_fp8_at_load_refused_where_the_16_bit_weights_cannot_fit(monkeypatch):
     with pytest.raises(ValueError, match=r"bfloat16 weights first: about 56\.[0-9] GiB a device, "
                                          r"more than the 47\.5 GiB .*tensor_parallel_size"):
         model_setup.check_fp8_load_fits(config, None)
+    # expert parallelism over two devices halves each device's experts: 0.6 then holds its share
+    two = AbstractMesh((2, 1, 1), ("data", "tensor", "pipe"))
+    with pytest.raises(ValueError, match="more than the 47.5 GiB"):
+        model_setup.check_fp8_load_fits(config, two)
+    expert_parallel = dataclasses.replace(config.parallel_config, enable_expert_parallel=True)
+    model_setup.check_fp8_load_fits(dataclasses.replace(config, parallel_config=expert_parallel),
+                                    two)
     monkeypatch.setattr(model_setup, "device_memory_limit", lambda: int(0.9 * 79.2 * 2 ** 30))
     model_setup.check_fp8_load_fits(config, None)
     monkeypatch.setattr(model_setup, "device_memory_limit", lambda: None)  # a CPU

@@ -17,7 +17,7 @@ from jaxllm.loader.quant_checkpoint import FP8_METHODS, static_activations
 from jaxllm.models import ModelArgs, forward, fuse_params, param_shapes
 from jaxllm.models.attention import attention_backend
 from jaxllm.models.layer_stacks import stack_layers
-from jaxllm.models.quant import quantize_params_fp8
+from jaxllm.models.quant import EXPERT_NAMES, quantize_params_fp8
 from jaxllm.sharding.mesh import make_mesh, stage_meshes, validate_model_parallelism
 from jaxllm.sharding.pipeline import PipelinePlan
 from jaxllm.sharding.rules import ShardingPlan
@@ -78,8 +78,13 @@ def check_fp8_load_fits(config: EngineConfig, mesh: Mesh | None) -> None:
     model = config.model_config
     shapes = flatten_paths(param_shapes(ModelArgs.from_hf_config(model.hf_config)))
     shards = 1 if mesh is None else mesh.shape["tensor"] * mesh.shape["pipe"]
+    # expert parallelism splits the experts over "data" too (sharding/rules.py)
+    expert_shards = shards * (mesh.shape["data"] if mesh is not None
+                              and config.parallel_config.enable_expert_parallel else 1)
     dtype = resolve_dtype(model.dtype)
-    needed = sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize / shards
+    needed = dtype.itemsize * sum(
+        math.prod(shape) / (expert_shards if path.rsplit(".", 1)[-1] in EXPERT_NAMES else shards)
+        for path, shape in shapes.items())
     if needed > limit:
         raise ValueError(
             f"Quantizing {model.model} to FP8 at load holds its {dtype.name} weights first: "
