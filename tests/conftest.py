@@ -6,9 +6,31 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The tests' models are tiny, so XLA's CPU compiles, not their runs, take most of the suite's
+# time; LLVM's optimisation passes are most of a compile (docs/lab, session 52).
+CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+if CPU_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAGS}".strip()
 
 import numpy as np
 import pytest
+
+
+@pytest.fixture
+def optimized_children(monkeypatch):
+    """Child processes started in the test compile with XLA's full optimisation: where a child
+    runs a larger model (the start-up matrix, a notebook on the default model), its runs, not
+    its compiles, take its time."""
+    flags = os.environ["XLA_FLAGS"].replace(CPU_COMPILE_FLAGS, "").strip()
+    monkeypatch.setenv("XLA_FLAGS", flags)
+
+
+def cpu_devices_env(num_devices: int) -> dict[str, str]:
+    """The environment of a child process with num_devices simulated CPU devices (XLA_FLAGS
+    must be set before jax starts), this process's compile flags kept."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = f"{flags} --xla_force_host_platform_device_count={num_devices}".strip()
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"

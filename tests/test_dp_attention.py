@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import numpy as np
+from conftest import cpu_devices_env
 
 from test_sharding import TINY_MOE, _save_tiny_moe
 
@@ -149,8 +150,7 @@ def _check_placement(placement: dict, dp: int, tp: int) -> None:
 
 def test_dp_attention_equals_single_device_on_8_devices(tmp_path):
     moe_dir = _save_tiny_moe(str(tmp_path / "moe"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
+    env = cpu_devices_env(NUM_DEVICES)
     proc = subprocess.run([sys.executable, __file__, moe_dir], env=env, capture_output=True,
                           text=True, timeout=240,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

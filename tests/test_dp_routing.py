@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+from conftest import cpu_devices_env
 
 BLOCK_SIZE = 8
 PREFIX_LEN = 24  # three full blocks
@@ -87,8 +88,7 @@ def test_shared_prefix_goes_to_the_replica_that_holds_it_within_the_load_bound(t
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # PYTHONPATH: this checkout's jaxllm, not an installed one (a script's sys.path starts at
     # its own folder, not the cwd)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(cpu_devices_env(2), PYTHONPATH=root)
     proc = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True,
                           text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,7 +11,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "notebooks")
 
 
-def test_quickstart_notebook(default_model_dir):
+def test_quickstart_notebook(default_model_dir, optimized_children):
     nb = nbformat.read(os.path.join(NOTEBOOKS, "quickstart.ipynb"), as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": NOTEBOOKS}}).execute()

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import TINY_CONFIGS, CompileCounter, save_random_checkpoint
+from conftest import TINY_CONFIGS, CompileCounter, cpu_devices_env, save_random_checkpoint
 from test_sharding import TINY_MOE
 
 NUM_DEVICES = 8
@@ -109,8 +109,7 @@ def test_pipeline_parallel_equals_one_device_on_8_devices(tmp_path):
     moe_dir = save_random_checkpoint(MOE4, str(tmp_path / "moe"), seed=7)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # The child imports this checkout's jaxllm (a script's path puts tests/ first, not the root).
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
+    env = dict(cpu_devices_env(NUM_DEVICES), PYTHONPATH=root)
     env.pop("VLLM_PP_LAYER_PARTITION", None)
     proc = subprocess.run([sys.executable, __file__, llama_dir, moe_dir], env=env,
                           capture_output=True, text=True, timeout=600, cwd=root)

@@ -20,7 +20,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import write_fp8_checkpoint
+from conftest import cpu_devices_env, write_fp8_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 4
@@ -172,8 +172,7 @@ def test_quantized_tp_equals_one_device(tiny_llama_dir, tiny_qwen3_dir, tmp_path
                           desc_act=True)
     awq = write_awq(write_rtn_gptq(tiny_qwen3_dir, str(tmp_path / "gptq_in_order"),
                                    group_size=32, sym=False), str(tmp_path / "awq"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
+    env = dict(cpu_devices_env(NUM_DEVICES), PYTHONPATH=ROOT)
     fp8 = write_fp8(tiny_llama_dir, str(tmp_path / "fp8"))
     # 32-row groups: TP=2 leaves whole groups of o's and down's K on each device
     fp8_block = write_fp8(tiny_llama_dir, str(tmp_path / "fp8_block"), block=[16, 32])

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import save_random_checkpoint
+from conftest import cpu_devices_env, save_random_checkpoint
 
 NUM_DEVICES = 8
 MAX_TOKENS = 5
@@ -122,8 +122,7 @@ def test_greedy_outputs_equal_single_device_on_8_devices(tiny_llama_dir, tmp_pat
 
     moe_dir = _save_tiny_moe(str(tmp_path / "moe"))
     llama_ckpt = convert(tiny_llama_dir, str(tmp_path / "llama_ckpt"), dtype="float32")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}")
+    env = cpu_devices_env(NUM_DEVICES)
     proc = subprocess.run([sys.executable, __file__, tiny_llama_dir, moe_dir, llama_ckpt], env=env,
                           capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -170,7 +169,7 @@ def _free_port() -> int:
 
 
 def test_two_processes_on_loopback_equal_single_device(tiny_llama_dir):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = cpu_devices_env(2)
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, __file__, "multihost", str(i), port, tiny_llama_dir],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from conftest import CompileCounter
+from conftest import CompileCounter, cpu_devices_env
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxllm.core.request import Request
@@ -397,8 +397,7 @@ def test_tensor_parallel_speculation_equals_one_device(tiny_llama_dir):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(cpu_devices_env(2), PYTHONPATH=root)
     prompts = repetitive_prompts(7, 4)
     done = subprocess.run([sys.executable, "-c", _TP_CHILD, tiny_llama_dir, json.dumps(prompts)],
                           env=env, capture_output=True, text=True, timeout=600)
