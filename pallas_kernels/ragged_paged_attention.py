@@ -56,7 +56,24 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     max_model_len). Costs T * P per page slot: the XLA fallback and the tests' reference.
     k_scale, v_scale: the cache's static per-tensor scales (a float8 cache holds K / k_scale).
     """
+    attend = functools.partial(_attend_reference, kv_lens=kv_lens, block_tables=block_tables,
+                               cu_q_lens=cu_q_lens, num_seqs=num_seqs, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+                               v_scale=v_scale)
+    if not (jnp.issubdtype(k_cache.dtype, jnp.floating) and k_cache.dtype.itemsize == 1):
+        return attend(q, k_cache, v_cache)
+    # XLA's CPU backend widens a float8 array that a loop reads to float16, the whole cache each
+    # call: there the loop reads the cache's bits, as uint8, and widens only the pages it gathers.
+    return jax.lax.platform_dependent(q, k_cache, v_cache, cpu=functools.partial(
+        attend, as_bits=True), default=attend)
+
+
+def _attend_reference(q, k_cache, v_cache, *, kv_lens, block_tables, cu_q_lens, num_seqs,
+                      sm_scale, sliding_window, soft_cap, k_scale, v_scale, as_bits=False):
     num_tokens, num_q_heads, head_dim = q.shape
+    cache_dtype = k_cache.dtype
+    if as_bits:
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint8) for c in (k_cache, v_cache))
     _, num_kv_heads, page_size, _ = k_cache.shape
     max_seqs, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
@@ -69,8 +86,8 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     def page_step(j, carry):
         m, l, acc = carry
         page = block_tables[seq, j]  # [T]
-        k = k_cache[page].astype(jnp.float32) * k_scale  # [T, Hkv, P, D]
-        v = v_cache[page].astype(jnp.float32) * v_scale
+        k = _gathered(k_cache[page], cache_dtype) * k_scale  # [T, Hkv, P, D]
+        v = _gathered(v_cache[page], cache_dtype) * v_scale
         s = jnp.einsum("tkgd,tkpd->tkgp", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -93,6 +110,13 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
     _, l, acc = jax.lax.fori_loop(0, num_pages, page_step, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _gathered(pages: jax.Array, cache_dtype) -> jax.Array:
+    """Gathered pages as float32, from the cache's own dtype or its bits."""
+    if pages.dtype != cache_dtype:
+        pages = jax.lax.bitcast_convert_type(pages, cache_dtype)
+    return pages.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ CPU machine: the int4 GEMM (zero point and scale applied per group), the FP8 wei
 the FP8 KV cache through the KV write and the Triton attention kernel."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +185,29 @@ def test_triton_attention_reads_fp8_pages_poisoned(bucket, splits, soft_cap, v_p
     exact = ragged_paged_attention_reference(*args, sm_scale=0.125, soft_cap=soft_cap)
     live = int(args[5][len(q_lens)])
     assert rel_err(ref[:live], exact[:live]) < 0.1
+
+
+def test_reference_reads_fp8_pages_unwidened_and_as_their_values():
+    """XLA's CPU backend widens a float8 array a loop reads, the whole cache a call: there the
+    reference's loop reads the pages' bits and widens only those it gathers, to the values the
+    same pages hold as float32. For a GPU it is lowered as it is."""
+    args = make_batch(41, [7, 1, 0, 13, 1], np.add([40, 300, 0, 3, 200], [7, 1, 0, 13, 1]),
+                      num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, max_seqs=6,
+                      num_tokens=32)
+    q, k_cache, v_cache, *rest = args
+    fp8_args = (q, to_fp8(k_cache, 0.25), to_fp8(v_cache, 4.0), *rest)
+    reference = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=0.125,
+                                          k_scale=0.25, v_scale=4.0))
+    got = reference(*fp8_args)
+    want = reference(q, *(c.astype(jnp.float32) for c in fp8_args[1:3]), *rest)
+    live = int(args[5][5])
+    np.testing.assert_allclose(np.asarray(got[:live]), np.asarray(want[:live]), rtol=1e-6,
+                               atol=1e-6)
+    shape = ",".join(map(str, k_cache.shape))
+    hlo = reference.lower(*fp8_args).compile().as_text()
+    assert not re.search(rf"\b(f16|bf16|f32)\[{shape}\]", hlo)
+    cuda = lower_for_h200(reference, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in fp8_args))
+    assert "bitcast_convert" not in cuda
 
 
 def mixed_fp8_batch(seed):
