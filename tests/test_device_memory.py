@@ -68,6 +68,36 @@ def test_device_memory_available_logs_what_was_taken_and_why(monkeypatch, caplog
     assert f"KV cache {available / GIB:.2f} GiB" in message
 
 
+def test_an_allocator_count_below_the_live_arrays_gives_way_to_them(monkeypatch, caplog):
+    """The KV cache is sized from what the live arrays hold on the device where the allocator
+    reports less in use, with a warning naming both."""
+    device = _Device({"bytes_limit": 57 * GIB, "bytes_in_use": 15 * GIB})
+    monkeypatch.setattr(kv_cache.jax, "devices", lambda: [device])
+    monkeypatch.setenv(device_memory.FRACTION_ENV, "0.4")
+    held = {device: 20 * GIB}
+    monkeypatch.setattr(kv_cache, "live_array_bytes", lambda d: held.get(d, 0))
+    with caplog.at_level(logging.INFO, logger=kv_cache.__name__):
+        available = kv_cache.device_memory_available(0.4, 1 * GIB)
+    assert available == 57 * GIB - 8 * GIB - 21 * GIB
+    assert "reports 15.00 GiB in use" in caplog.text and "live arrays hold: the" in caplog.text
+    assert "weights and buffers 20.00 GiB" in caplog.text
+    held[device] = 10 * GIB  # the allocator's count stands where it is the larger
+    assert kv_cache.device_memory_available(0.4, 1 * GIB) == 57 * GIB - 8 * GIB - 16 * GIB
+
+
+def test_live_array_bytes_count_each_array_s_shard_on_the_device():
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    before = kv_cache.live_array_bytes(device)
+    arrays = [jnp.ones((1000, 3), jnp.float32), jnp.ones((77,), jnp.bfloat16)]
+    assert kv_cache.live_array_bytes(device) - before == 12000 + 154
+    arrays[0].delete()
+    assert kv_cache.live_array_bytes(device) - before == 154
+    assert kv_cache.live_array_bytes(object()) == 0
+
+
 def test_pool_set_from_the_share_before_the_backend_starts(monkeypatch, caplog):
     monkeypatch.setattr(device_memory.xla_bridge, "backends_are_initialized", lambda: False)
     monkeypatch.delenv(device_memory.FRACTION_ENV, raising=False)

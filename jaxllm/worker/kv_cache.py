@@ -80,6 +80,13 @@ def allocator_stats(device) -> tuple[int, int]:
     return int(total * device_memory.pool_fraction()), total - free
 
 
+def live_array_bytes(device) -> int:
+    """Bytes that jax's live arrays hold on `device`: a floor under the allocator's count of
+    bytes in use, for an allocator whose count falls short of it."""
+    return sum(shard.data.nbytes for array in jax.live_arrays()
+               for shard in array.addressable_shards if shard.device == device)
+
+
 @dataclass(frozen=True)
 class DeviceMemoryBudget:
     """How the KV cache's share of one device was found (bytes)."""
@@ -105,7 +112,14 @@ def device_memory_available(gpu_memory_utilization: float, activation_peak_bytes
     """Bytes the KV cache may take on `device` (default: the first; a DP replica passes its own,
     as the replicas before it have filled theirs), logged with how they were found: the allowed
     share of its memory, less what is in use (weights) and the step's activation peak."""
-    limit, in_use = allocator_stats(device or jax.devices()[0])
+    device = device or jax.devices()[0]
+    limit, in_use = allocator_stats(device)
+    held = live_array_bytes(device)
+    if held > in_use:
+        logger.warning("jax's allocator reports %.2f GiB in use on %s, less than the %.2f GiB its "
+                       "live arrays hold: the KV cache is sized from the arrays", in_use / GiB,
+                       device, held / GiB)
+        in_use = held
     budget = kv_cache_budget(limit, in_use, gpu_memory_utilization, activation_peak_bytes,
                              device_memory.pool_fraction())
     logger.info(budget.describe())
