@@ -55,12 +55,18 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
     page, offset = slot_mapping // page_size, slot_mapping % page_size
     k, v = to_cache(k, k_cache.dtype, k_scale), to_cache(v, v_cache.dtype, v_scale)
     update = functools.partial(_update_slots, page=page, offset=offset)
-    if not (jnp.issubdtype(k_cache.dtype, jnp.floating) and k_cache.dtype.itemsize == 1):
-        return update(k_cache, v_cache, k, v)
     # XLA's CPU backend widens a whole float8 array to scatter into it or update a slice of it:
     # there the cache's bits, as uint8, are updated instead.
-    return jax.lax.platform_dependent(k_cache, v_cache, k, v, cpu=functools.partial(
-        _update_bits, update=update), default=update)
+    return float8_as_bits_on_cpu(k_cache.dtype, update, functools.partial(
+        _update_bits, update=update), k_cache, v_cache, k, v)
+
+
+def float8_as_bits_on_cpu(cache_dtype, run, run_on_bits, *args):
+    """run(*args); for a float8 cache, run_on_bits(*args) where it runs on a CPU (XLA's CPU
+    backend widens whole float8 arrays to float16 for many ops, so there they go as uint8)."""
+    if not (jnp.issubdtype(cache_dtype, jnp.floating) and jnp.dtype(cache_dtype).itemsize == 1):
+        return run(*args)
+    return jax.lax.platform_dependent(*args, cpu=run_on_bits, default=run)
 
 
 def _update_slots(k_cache, v_cache, k, v, *, page, offset):

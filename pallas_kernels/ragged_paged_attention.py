@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import ptx
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+from pallas_kernels.kv_write import float8_as_bits_on_cpu
 
 _MASK_INIT = -1e30
 # A float8 cache's prefill sequences a bucket stages for the Mosaic kernel at most (the rest take
@@ -60,12 +61,10 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, kv_lens, block_tables,
                                cu_q_lens=cu_q_lens, num_seqs=num_seqs, sm_scale=sm_scale,
                                sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
                                v_scale=v_scale)
-    if not (jnp.issubdtype(k_cache.dtype, jnp.floating) and k_cache.dtype.itemsize == 1):
-        return attend(q, k_cache, v_cache)
     # XLA's CPU backend widens a float8 array that a loop reads to float16, the whole cache each
     # call: there the loop reads the cache's bits, as uint8, and widens only the pages it gathers.
-    return jax.lax.platform_dependent(q, k_cache, v_cache, cpu=functools.partial(
-        attend, as_bits=True), default=attend)
+    return float8_as_bits_on_cpu(k_cache.dtype, attend, functools.partial(attend, as_bits=True),
+                                 q, k_cache, v_cache)
 
 
 def _attend_reference(q, k_cache, v_cache, *, kv_lens, block_tables, cu_q_lens, num_seqs,
