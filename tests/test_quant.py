@@ -471,6 +471,35 @@ def test_engine_reads_kv_scales_with_an_fp8_cache_only(tiny_llama_dir, tmp_path,
     assert outputs["fp8"][0] == outputs["auto"][0]  # the prompt's next token survives FP8 pages
 
 
+def test_cpu_step_keeps_a_float8_cache_as_bits_and_never_copies_it(tiny_llama_dir):
+    """On a CPU the runner keeps a float8 cache as its uint8 bits, and the compiled step holds no
+    float8 array of the cache's shape: no whole-cache bitcast copy in or out (those made a
+    tiny model's step scale with the cache's size)."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.worker import model_runner
+    from jaxllm.worker.kv_cache import Float8Bits
+    llm = LLM(tiny_llama_dir, kv_cache_dtype="fp8", dtype="float32", max_model_len=64,
+              max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=24, block_size=8,
+              enforce_eager=True, compilation_cache_dir=None)
+    runner = llm.llm_engine.runner
+    k_cache = runner.kv_caches[0][0]
+    assert isinstance(k_cache, Float8Bits) and k_cache.dtype == jnp.float8_e4m3fn
+    assert k_cache.bits.dtype == jnp.uint8
+    steps, run_step = [], runner._run_step
+
+    def recording(inputs, stages):
+        steps.append(model_runner.pack(inputs) + (stages,))
+        return run_step(inputs, stages)
+    runner._run_step = recording
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    written = np.asarray(runner.kv_caches[0][0].bits)
+    assert np.count_nonzero(written) > 0  # the prompt's K went in as bits
+    hlo = runner._lower(*steps[0]).compile().as_text()
+    assert "u8[" + ",".join(map(str, k_cache.bits.shape)) + "]" in hlo
+    assert "f8e4m3fn[" + ",".join(map(str, k_cache.bits.shape)) + "]" not in hlo
+
+
 def _with_layer_scales(kernel):
     """kernel, given on its i-th call (layer i of a forward) that layer's static scales."""
     calls = []

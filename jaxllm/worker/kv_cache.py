@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +55,41 @@ def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
-    """One (k_cache, v_cache) pair per layer, zeros (jnp.empty is uninitialised since jax 0.11)."""
+                       head_dim: int, dtype, sharding=None) -> list[tuple]:
+    """One (k_cache, v_cache) pair per layer, zeros (jnp.empty is uninitialised since jax 0.11),
+    each as the step keeps it (kept_as)."""
     shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(make(), make()) for _ in range(num_layers)]
+    bits = jnp.dtype(dtype).itemsize == 1 and jax.default_backend() == "cpu"
+    make = jax.jit(lambda: jnp.zeros(shape, jnp.uint8 if bits else dtype), out_shardings=sharding)
+    wrap = (lambda x: Float8Bits(x, jnp.dtype(dtype))) if bits else (lambda x: x)  # noqa: E731
+    return [(wrap(make()), wrap(make())) for _ in range(num_layers)]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Float8Bits:
+    """A float8 cache kept as its bits, as caches are on a CPU. There the KV write and the
+    attention reference work on a float8 cache's bits (XLA's CPU backend widens whole float8
+    arrays), and XLA's CPU backend copies a whole array to bitcast a step's argument or result:
+    a step that takes and returns the bits has its bitcasts cancel the kernels' instead."""
+    bits: jax.Array  # uint8, the cache's shape
+    dtype: jnp.dtype = field(metadata=dict(static=True))
+
+
+def _is_bits(x) -> bool:
+    return isinstance(x, Float8Bits)
+
+
+def cache_views(kv_caches: list) -> list:
+    """The caches as the model reads them: Float8Bits as their float8 arrays."""
+    return jax.tree.map(lambda c: jax.lax.bitcast_convert_type(c.bits, c.dtype) if _is_bits(c)
+                        else c, kv_caches, is_leaf=_is_bits)
+
+
+def kept_as(new_caches: list, kept: list) -> list:
+    """The model's updated caches kept as the step's were: bits again where those were."""
+    return jax.tree.map(lambda old, new: Float8Bits(jax.lax.bitcast_convert_type(
+        new, jnp.uint8), old.dtype) if _is_bits(old) else new, kept, new_caches, is_leaf=_is_bits)
 
 
 def device_memory_limit() -> int | None:

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.transformer import embed_tokens, final_outputs, run_layers
 from jaxllm.sharding.axes import DATA
+from jaxllm.worker.kv_cache import cache_views, kept_as
 from jaxllm.worker.packing import PackLayout, unpack
 from jaxllm.worker.step import replicated
 
@@ -72,8 +73,8 @@ def stage_step(params, kv_caches, packed_inputs: jax.Array, x, *, model: StageMo
                layout: PackLayout):
     """One stage before the last: x None on the first -> (activations, kv_caches)."""
     batch = replicated(unpack(packed_inputs, layout), model.mesh).batch
-    x, kv_caches = model.forward(params, kv_caches, batch, x=x)
-    return jax.lax.with_sharding_constraint(x, model.activations), kv_caches
+    x, new_caches = model.forward(params, cache_views(kv_caches), batch, x=x)
+    return jax.lax.with_sharding_constraint(x, model.activations), kept_as(new_caches, kv_caches)
 
 
 @dataclass

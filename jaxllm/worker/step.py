@@ -28,6 +28,7 @@ from jaxllm.sample import sampler
 from jaxllm.sample import rejection
 from jaxllm.sample.logprobs import LogprobsTensors, chunked_logprobs, empty_logprobs
 from jaxllm.sample.sampler import SamplerOutput, SamplerStages
+from jaxllm.worker.kv_cache import cache_views, kept_as
 from jaxllm.worker.packing import PackLayout, unpack
 
 
@@ -54,7 +55,7 @@ class StepInputs:
 @dataclass
 class StepState:
     """Device state every step donates and gets back."""
-    kv_caches: list  # per layer (k_cache, v_cache)
+    kv_caches: list  # per layer (k_cache, v_cache), a float8 one on a CPU as Float8Bits
     penalty_state: sampler.PenaltyState
     last_sampled: jax.Array  # [R] i32 the token each penalty row sampled last
 
@@ -127,7 +128,7 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
     token_ids = jnp.where(token_ids == PLACEHOLDER_TOKEN_ID,
                           state.last_sampled[inputs.token_rows], token_ids)
     batch = dataclasses.replace(inputs.batch, token_ids=replicated(token_ids, model.mesh))
-    logits, kv_caches, hidden, *aux = model.forward(params, state.kv_caches, batch,
+    logits, kv_caches, hidden, *aux = model.forward(params, cache_views(state.kv_caches), batch,
                                                     return_hidden=True)
     aux = aux[0] if aux else None
     logits = _gather_logits(logits, model.logits_split)
@@ -147,7 +148,8 @@ def step(params, state: StepState, packed_inputs: jax.Array, *, model: StepModel
                                                       verified)
         last_tokens, num_accepted = verified.last_token, verified.num_accepted
     last_sampled = state.last_sampled.at[inputs.sample_rows].set(last_tokens)
-    new_state = StepState(kv_caches, penalty_state, last_sampled)
+    new_state = StepState(kept_as(kv_caches, state.kv_caches), penalty_state,
+                          last_sampled)
     if stages == SamplerStages.COND:
         prompt_lp = jax.lax.cond(
             inputs.any_prompt_logprobs,
