@@ -19,8 +19,8 @@ import pytest
 @pytest.fixture
 def optimized_children(monkeypatch):
     """Child processes started in the test compile with XLA's full optimisation: where a child
-    runs a larger model (the start-up matrix, a notebook on the default model), its runs, not
-    its compiles, take its time."""
+    runs a larger model (a notebook on the default model), its runs, not its compiles, take its
+    time."""
     flags = os.environ["XLA_FLAGS"].replace(CPU_COMPILE_FLAGS, "").strip()
     monkeypatch.setenv("XLA_FLAGS", flags)
 

@@ -74,7 +74,7 @@ def test_matrix_covers_every_value_of_every_axis():
                                                               ("xla", 1), ("xla", 256)}
 
 
-def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path, optimized_children):
+def test_cpu_matrix_runs_and_isolates_a_failing_case(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_smoke.py"),
                           "--cpu", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                          text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
