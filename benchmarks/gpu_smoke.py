@@ -47,7 +47,8 @@ POOLING_MODEL = dict(architectures=["BertModel"], model_type="bert", vocab_size=
                      num_attention_heads=4, max_position_embeddings=512, type_vocab_size=2,
                      layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0)
 # No dummy weights exist for a GPTQ checkpoint: this case model is a tiny random Llama (hidden
-# 128, seeded) written as a round-to-nearest GPTQ checkpoint (group 32) in each case's process.
+# 128, seeded) written as a round-to-nearest GPTQ checkpoint (group 32), once per run of the
+# matrix (write_checkpoints), for every case that runs it.
 GPTQ_MODEL = "llama-tiny-gptq"
 # The same tiny Llama as a compressed-tensors FP8 checkpoint with static per-layer KV scales.
 FP8_KV_MODEL = "llama-tiny-fp8-kv-scales"
@@ -236,10 +237,9 @@ def run_case(case: Case) -> dict:
         return _run_pooling_case(case)
     start = time.perf_counter()
     lora_kwargs, adapter = _lora(case)
-    written = {GPTQ_MODEL: _tiny_gptq_dir, FP8_KV_MODEL: _tiny_fp8_kv_dir,
-               FP8_BLOCK_MODEL: _tiny_fp8_block_dir,
-               FP8_STATIC_MODEL: _tiny_fp8_static_dir}.get(case.model)
-    model, load_format = (written(), "auto") if written else (case.model, "dummy")
+    written = json.loads(os.environ.get(CHECKPOINTS, "{}"))
+    model, load_format = ((written[case.model], "auto") if case.model in WRITERS
+                          else (case.model, "dummy"))
     llm = LLM(model=model, load_format=load_format, dtype=case.dtype,
               max_model_len=case.max_model_len, block_size=case.block_size,
               max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
@@ -270,52 +270,62 @@ def _conftest():
     return conftest
 
 
-def _tiny_llama_dir() -> str:
-    import tempfile
-
+def _tiny_llama_dir(out_dir: str) -> str:
     tests = _conftest()
     config = dict(tests.TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256,
                   max_position_embeddings=8192)  # prompts_for's lengths
-    return tests.save_random_checkpoint(config, tempfile.mkdtemp(prefix="gpu_smoke_llama"),
-                                        tests.build_tiny_tokenizer())
+    return tests.save_random_checkpoint(config, out_dir, tests.build_tiny_tokenizer())
 
 
-def _tiny_gptq_dir() -> str:
-    import tempfile
-
+def _tiny_gptq_dir(llama: str, out_dir: str) -> str:
     from jaxllm.loader.gptq_writer import write_rtn_gptq
-    return write_rtn_gptq(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_gptq"),
-                          group_size=32)
+    return write_rtn_gptq(llama, out_dir, group_size=32)
 
 
-def _tiny_fp8_kv_dir() -> str:
-    import tempfile
-
+def _tiny_fp8_kv_dir(llama: str, out_dir: str) -> str:
     tests = _conftest()
     scales = {layer: (0.5 + layer, 2.0 - 0.5 * layer)
               for layer in range(tests.TINY_CONFIGS["llama"]["num_hidden_layers"])}
-    return tests.write_fp8_kv_scaled(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_fp8_kv"),
-                                     scales)
+    return tests.write_fp8_kv_scaled(llama, out_dir, scales)
 
 
-def _tiny_fp8_block_dir() -> str:
-    import tempfile
-
+def _tiny_fp8_block_dir(llama: str, out_dir: str) -> str:
     from jaxllm.loader.fp8_writer import write_fp8
-    return write_fp8(_tiny_llama_dir(), tempfile.mkdtemp(prefix="gpu_smoke_fp8_block"),
-                     {"quant_method": "fp8", "activation_scheme": "dynamic",
-                      "weight_block_size": [128, 128]})
+    return write_fp8(llama, out_dir, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]})
 
 
-def _tiny_fp8_static_dir() -> str:
-    import tempfile
-
+def _tiny_fp8_static_dir(llama: str, out_dir: str) -> str:
     from jaxllm.loader.fp8_writer import calibrated_input_scales, write_fp8
-    llama = _tiny_llama_dir()
     calibration = [[3 + (13 * i + 5 * n) % 360 for i in range(n)] for n in (17, 90)]
-    return write_fp8(llama, tempfile.mkdtemp(prefix="gpu_smoke_fp8_static"),
-                     {"quant_method": "fp8", "activation_scheme": "static"},
+    return write_fp8(llama, out_dir, {"quant_method": "fp8", "activation_scheme": "static"},
                      calibrated_input_scales(llama, calibration))
+
+
+# the written models' writers: (the tiny Llama's directory, out_dir) -> out_dir
+WRITERS = {GPTQ_MODEL: _tiny_gptq_dir, FP8_KV_MODEL: _tiny_fp8_kv_dir,
+           FP8_BLOCK_MODEL: _tiny_fp8_block_dir, FP8_STATIC_MODEL: _tiny_fp8_static_dir}
+CHECKPOINTS = "GPU_SMOKE_CHECKPOINTS"  # the cases' environment: {written model: its directory}
+
+
+def write_checkpoints(models: list[str], out_dir: str) -> dict[str, str]:
+    """The written models' checkpoints under out_dir/checkpoints, the tiny Llama written once
+    for them all: {model: directory}."""
+    root = os.path.join(out_dir, "checkpoints")
+    llama = _tiny_llama_dir(os.path.join(root, "llama-tiny"))
+    return {model: WRITERS[model](llama, os.path.join(root, model)) for model in models}
+
+
+def _write_checkpoints_apart(cases: list[Case], out_dir: str) -> dict[str, str]:
+    """write_checkpoints for the cases' written models, in a CPU process of its own (jax in this
+    one would take the GPU's memory from the cases)."""
+    models = sorted({case.model for case in cases} & WRITERS.keys())
+    if not models:
+        return {}
+    out = subprocess.run([sys.executable, __file__, "--write-checkpoints", json.dumps(models),
+                          "--out", out_dir], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _run_pooling_case(case: Case) -> dict:
@@ -525,7 +535,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="per case, seconds")
     parser.add_argument("--only", help="run the cases whose name matches this regex")
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--write-checkpoints", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write_checkpoints:
+        print(json.dumps(write_checkpoints(json.loads(args.write_checkpoints), args.out)))
+        return 0
     if args.case:
         print("RESULT " + json.dumps(run_case(Case(**json.loads(args.case)))), flush=True)
         return 0
@@ -534,6 +548,7 @@ def main() -> int:
     cases = cpu_matrix() if args.cpu else gpu_matrix(_num_gpus())
     cases = [case for case in cases if args.only is None or re.search(args.only, case.name)]
     start = time.perf_counter()
+    os.environ[CHECKPOINTS] = json.dumps(_write_checkpoints_apart(cases, args.out))
     rows = run_matrix(cases, args.out, 1 if args.cpu else args.jobs, args.timeout)
     judge(rows)
     return 0 if write_report(rows, args.out, round(time.perf_counter() - start, 1)) else 1
