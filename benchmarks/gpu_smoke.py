@@ -324,7 +324,9 @@ def _write_checkpoints_apart(cases: list[Case], out_dir: str) -> dict[str, str]:
         return {}
     out = subprocess.run([sys.executable, __file__, "--write-checkpoints", json.dumps(models),
                           "--out", out_dir], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), check=True)
+                         env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+    if out.returncode != 0:
+        raise SystemExit(f"writing the checkpoints of {models} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

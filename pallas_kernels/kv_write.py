@@ -20,12 +20,16 @@ from pallas_kernels.fp8_gemv import Splits, finish_splits
 from pallas_kernels.stacked import check_stacked, prefix
 
 
+def is_float8(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+
+
 def to_cache(x: jax.Array, dtype, scale: float) -> jax.Array:
     """K or V rows as the cache stores them: divided by the cache's static scale, and for a
     float8 cache saturated to its range (a float8_e4m3fn cast would make NaN of the rest)."""
     if scale != 1.0:
         x = x.astype(jnp.float32) / scale
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
+    if is_float8(dtype):
         limit = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -limit, limit)
     return x.astype(dtype)
@@ -64,7 +68,7 @@ def write_kv_reference(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: 
 def float8_as_bits_on_cpu(cache_dtype, run, run_on_bits, *args):
     """run(*args); for a float8 cache, run_on_bits(*args) where it runs on a CPU (XLA's CPU
     backend widens whole float8 arrays to float16 for many ops, so there they go as uint8)."""
-    if not (jnp.issubdtype(cache_dtype, jnp.floating) and jnp.dtype(cache_dtype).itemsize == 1):
+    if not is_float8(cache_dtype):
         return run(*args)
     return jax.lax.platform_dependent(*args, cpu=run_on_bits, default=run)
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.worker import device_memory
+from pallas_kernels.kv_write import is_float8
 from pallas_kernels.ragged_paged_attention import MAX_1BYTE_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,15 @@ def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype, sharding=None) -> list[tuple]:
     """One (k_cache, v_cache) pair per layer, zeros (jnp.empty is uninitialised since jax 0.11),
-    each as the step keeps it (kept_as)."""
+    a float8 one on a CPU as Float8Bits."""
     shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    bits = jnp.dtype(dtype).itemsize == 1 and jax.default_backend() == "cpu"
-    make = jax.jit(lambda: jnp.zeros(shape, jnp.uint8 if bits else dtype), out_shardings=sharding)
-    wrap = (lambda x: Float8Bits(x, jnp.dtype(dtype))) if bits else (lambda x: x)  # noqa: E731
-    return [(wrap(make()), wrap(make())) for _ in range(num_layers)]
+    as_bits = is_float8(dtype) and jax.default_backend() == "cpu"
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.uint8 if as_bits else dtype),
+                    out_shardings=sharding)
+
+    def make():
+        return Float8Bits(zeros(), jnp.dtype(dtype)) if as_bits else zeros()
+    return [(make(), make()) for _ in range(num_layers)]
 
 
 @jax.tree_util.register_dataclass
@@ -80,16 +84,24 @@ def _is_bits(x) -> bool:
     return isinstance(x, Float8Bits)
 
 
+def _view(cache):
+    return jax.lax.bitcast_convert_type(cache.bits, cache.dtype) if _is_bits(cache) else cache
+
+
+def _keep(kept, new):
+    if not _is_bits(kept):
+        return new
+    return Float8Bits(jax.lax.bitcast_convert_type(new, jnp.uint8), kept.dtype)
+
+
 def cache_views(kv_caches: list) -> list:
     """The caches as the model reads them: Float8Bits as their float8 arrays."""
-    return jax.tree.map(lambda c: jax.lax.bitcast_convert_type(c.bits, c.dtype) if _is_bits(c)
-                        else c, kv_caches, is_leaf=_is_bits)
+    return jax.tree.map(_view, kv_caches, is_leaf=_is_bits)
 
 
 def kept_as(new_caches: list, kept: list) -> list:
     """The model's updated caches kept as the step's were: bits again where those were."""
-    return jax.tree.map(lambda old, new: Float8Bits(jax.lax.bitcast_convert_type(
-        new, jnp.uint8), old.dtype) if _is_bits(old) else new, kept, new_caches, is_leaf=_is_bits)
+    return jax.tree.map(_keep, kept, new_caches, is_leaf=_is_bits)
 
 
 def device_memory_limit() -> int | None:
